@@ -1,0 +1,37 @@
+# The two commands of the README: `make bench` (the main job) and `make test`.
+# Each makes .venv with torch pinned (constraints.txt) and installs what it needs.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+BENCH_ARGS ?=
+
+.PHONY: bench test lint types check install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
+	$(PIP) install -c constraints.txt "torch==2.13.0"
+	$(PIP) install -c constraints.txt -e ".[dev,bench]"
+	touch $@
+
+install: $(VENV)/.installed
+
+bench: install
+	$(BIN)/tensorstash bench $(BENCH_ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check tensorstash tests benchmarks examples
+	$(BIN)/ruff format --check tensorstash tests benchmarks examples
+
+types: install
+	$(BIN)/mypy
+
+check: lint types test
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,34 @@
+"""tensorstash: move the tensors autograd saves for backward out of the way.
+
+Example:
+    >>> import tensorstash as ts
+    >>> with ts.stash(ts.Chain(ts.Lz4(), ts.DiskSpill())) as session:
+    ...     loss = model(batch).sum()
+    >>> loss.backward()
+    >>> print(session.stats.table())
+"""
+
+from tensorstash.compress import Lz4
+from tensorstash.cpu import CpuOffload
+from tensorstash.disk import DiskSpill, SpillError
+from tensorstash.policy import Chain, Context, Keep, Packed, Policy
+from tensorstash.stash import Session, pause, stash
+from tensorstash.stats import StashStats
+
+__all__ = [
+    "Chain",
+    "Context",
+    "CpuOffload",
+    "DiskSpill",
+    "Keep",
+    "Lz4",
+    "Packed",
+    "Policy",
+    "Session",
+    "SpillError",
+    "StashStats",
+    "pause",
+    "stash",
+]
+
+__version__ = "0.1.0.dev0"

@@ -1,0 +1,155 @@
+"""How a strided tensor becomes a flat run of bytes and back, with its exact geometry.
+
+# NOTE [ Geometry ]
+Gradient kernels can depend on strides (a channels_last convolution picks other
+kernels than a contiguous one, with other rounding), so a tensor brought back
+must have the size and stride it was saved with, not only the same values.
+
+1. The bytes saved are the storage *span* the tensor touches, from its first
+   element to its last, when that span is at most twice its element count
+   (dense tensors, channels_last, transposes, stride-0 broadcasts).
+2. Otherwise (a narrow slice of a wide tensor) the elements are saved compactly
+   in row-major order and scattered back into a span-sized buffer on restore.
+3. Restored tensors start at storage offset 0 of a fresh storage; only size,
+   stride, dtype and values are promised, as autograd requires.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# Above this ratio of span to elements, the compact copy of rule 2 is cheaper.
+_MAX_SPAN_RATIO = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """What is needed to rebuild a tensor from its saved bytes.
+
+    Attributes:
+        dtype: element type.
+        shape: the tensor's size.
+        stride: the tensor's stride, in elements.
+        device: where the tensor lived when it was saved.
+        span: elements of the storage region the restored tensor needs.
+        compact: True when the bytes hold the elements in row-major order
+            (rule 2 of NOTE [ Geometry ]), False when they hold the span.
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    device: torch.device
+    span: int
+    compact: bool
+
+    @property
+    def itemsize(self) -> int:
+        return _itemsize(self.dtype)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the payload: the span, or the elements when compact."""
+        count = self.numel if self.compact else self.span
+        return count * self.itemsize
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def span_of(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements between a tensor's first and last element, both included."""
+    if any(size == 0 for size in shape):
+        return 0
+    return 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
+
+
+def describe(tensor: Tensor) -> tuple[Layout, Tensor]:
+    """Split a tensor into its layout and a 1-D byte payload (a view where possible).
+
+    Args:
+        tensor: a strided tensor without conjugate or negative bits.
+
+    Returns:
+        The layout, and a 1-D uint8 tensor on the tensor's device whose bytes,
+        given to :func:`rebuild` with that layout, restore the tensor. When the
+        span is dense enough the payload is a view of the tensor's storage, so
+        the caller must copy it before the tensor may change.
+    """
+    data = tensor.detach()
+    shape = tuple(data.shape)
+    stride = tuple(data.stride())
+    span = span_of(shape, stride)
+    numel = data.numel()
+    compact = span > _MAX_SPAN_RATIO * max(numel, 1)
+    if compact:
+        flat = data.contiguous().reshape(-1)
+    else:
+        flat = data.as_strided((span,), (1,), data.storage_offset())
+    layout = Layout(data.dtype, shape, stride, data.device, span, compact)
+    return layout, _as_bytes(flat)
+
+
+def _as_bytes(flat: Tensor) -> Tensor:
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=flat.device)
+    if flat.dtype == torch.uint8:
+        return flat
+    if flat.dtype == torch.bool:
+        return flat.view(torch.uint8)
+    return flat.view(torch.uint8)
+
+
+def rebuild(layout: Layout, payload: Tensor) -> Tensor:
+    """Restore a tensor from its layout and payload bytes.
+
+    Args:
+        layout: as returned by :func:`describe`.
+        payload: 1-D uint8 tensor of ``layout.nbytes`` bytes, on any device;
+            the result is on the payload's device and may alias it.
+
+    Returns:
+        A tensor with the layout's dtype, size and stride.
+    """
+    if payload.numel() != layout.nbytes:
+        raise AssertionError(
+            f"tensorstash: payload of {payload.numel()} bytes for a layout of "
+            f"{layout.nbytes} bytes; this is a bug in tensorstash"
+        )
+    values = payload.view(layout.dtype) if layout.nbytes else _empty(layout, payload.device)
+    if not layout.compact:
+        return values.as_strided(layout.shape, layout.stride, 0)
+    out = torch.empty(layout.span, dtype=layout.dtype, device=payload.device)
+    out = out.as_strided(layout.shape, layout.stride, 0)
+    out.copy_(values.view(layout.shape))
+    return out
+
+
+def _empty(layout: Layout, device: torch.device) -> Tensor:
+    return torch.empty(layout.span, dtype=layout.dtype, device=device)
+
+
+def memory(tensor: Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's elements, without a copy.
+
+    The view does not keep the tensor alive: the caller must hold the tensor for
+    as long as the view is used.
+    """
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise AssertionError(
+            "tensorstash: memory() needs a contiguous CPU tensor; this is a bug in tensorstash"
+        )
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")

@@ -1,0 +1,278 @@
+"""CpuOffload: device tensors to (pinned) host RAM, copied asynchronously on side streams.
+
+# NOTE [ Streams ]
+On CUDA every cross-stream use is ordered by an event or a ``wait_stream``:
+
+1. Pack: the copy stream waits for the current stream (the tensor's producer),
+   copies the tensor into a pinned buffer, and records ``copied``. The source
+   tensor is kept alive by the packed value until ``copied`` has completed
+   (polled at later packs, or waited for at unpack), so the caching allocator
+   cannot hand its memory to another tensor while the copy still reads it.
+2. Unpack (or prefetch): the copy-back stream waits for ``copied``, allocates
+   the device tensor, copies, and records ``restored``; the consumer stream waits
+   for ``restored`` and the device tensor is marked as used by it
+   (``record_stream``), since it was allocated on the copy-back stream.
+3. A pinned buffer goes back to the pool when its packed value is freed, with
+   an event recorded after the last copy that read it; the pool hands it out
+   again only once that event has completed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import Tensor
+
+from tensorstash._layout import Layout, describe, rebuild
+from tensorstash.policy import Context, Held, HostBytes, Packed, bug, finalize, nbytes_of
+
+
+class _Event(Protocol):
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class PinnedPool:
+    """Host buffers reused by exact size (no power-of-two rounding).
+
+    Args:
+        allocate: makes a 1-D uint8 buffer of n bytes (pinned on CUDA).
+        max_cached_bytes: free buffers beyond this are dropped, not cached.
+    """
+
+    def __init__(self, allocate: Callable[[int], Tensor], max_cached_bytes: int) -> None:
+        self._allocate = allocate
+        self._max_cached = max_cached_bytes
+        self._free: dict[int, deque[tuple[Tensor, _Event | None]]] = {}
+        self._cached = 0
+        self._lock = threading.Lock()
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached
+
+    def take(self, nbytes: int) -> Tensor:
+        """A buffer of ``nbytes`` bytes no pending copy still reads."""
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                buffer, last_use = free[0]
+                if last_use is None or last_use.query():
+                    free.popleft()
+                    self._cached -= nbytes
+                    return buffer
+        return self._allocate(nbytes)
+
+    def give(self, buffer: Tensor, last_use: _Event | None) -> None:
+        """Return a buffer; it is reused once ``last_use`` (if any) has completed."""
+        nbytes = buffer.numel()
+        with self._lock:
+            if self._cached + nbytes > self._max_cached:
+                return
+            self._free.setdefault(nbytes, deque()).append((buffer, last_use))
+            self._cached += nbytes
+
+    def close(self) -> None:
+        with self._lock:
+            for free in self._free.values():
+                for _, last_use in free:
+                    if last_use is not None:
+                        last_use.synchronize()
+            self._free.clear()
+            self._cached = 0
+
+
+@dataclass(eq=False, slots=True, weakref_slot=True)
+class OnHost(HostBytes):
+    """A CUDA tensor's bytes in a pinned host buffer, filled by an asynchronous copy.
+
+    Attributes:
+        source: the device tensor, kept alive until ``copied`` completes.
+        copied: event recorded after the device-to-host copy.
+        restored: the device tensor brought back early by prefetch, and its event.
+        uses: events of copies that read the pinned buffer (rule 3 of NOTE [ Streams ]).
+    """
+
+    source: Tensor | None = None
+    copied: Any = None
+    restored: tuple[Tensor, Any] | None = None
+    uses: list[Any] | None = None
+
+    def ready(self) -> Tensor:
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.source = None
+        return super(OnHost, self).ready()
+
+    def ready_unsynced(self) -> Tensor:
+        """The pinned buffer, for a copy that is itself ordered after ``copied``."""
+        return super(OnHost, self).ready()
+
+
+class _Cuda:
+    """Per-session, per-device CUDA state: side streams, pinned pool, copies in flight."""
+
+    def __init__(self, device: torch.device, max_cached_bytes: int) -> None:
+        self.device = device
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+        self.pool = PinnedPool(
+            lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True), max_cached_bytes
+        )
+        self.inflight: deque[OnHost] = deque()
+
+    def reap(self) -> None:
+        """Drop the sources of copies that have completed (rule 1 of NOTE [ Streams ])."""
+        while self.inflight and self.inflight[0].copied.query():
+            self.inflight.popleft().source = None
+
+    def close(self) -> None:
+        for packed in self.inflight:
+            packed.copied.synchronize()
+            packed.source = None
+        self.inflight.clear()
+        self.pool.close()
+
+
+def _give_back(pool: PinnedPool, buffer: Tensor, uses: list[Any]) -> None:
+    pool.give(buffer, uses[-1] if uses else None)
+
+
+@dataclass(frozen=True)
+class CpuOffload:
+    """Move saved device tensors to host RAM; bring them back in backward.
+
+    On CUDA the copies run on side streams, ordered by events (see NOTE
+    [ Streams ]), into pinned buffers reused across steps. A tensor already on
+    the host is kept as it is (nothing to move), counted in
+    ``stats.fallbacks["already on host"]``.
+
+    Args:
+        pin_memory: copy into page-locked host memory (needed for asynchronous
+            copies; a plain copy is synchronous).
+        max_cached_bytes: pinned bytes kept for reuse once their tensors are freed.
+
+    Example:
+        >>> with tensorstash.stash(tensorstash.CpuOffload()) as session:
+        ...     loss = model(x.cuda()).sum()
+    """
+
+    pin_memory: bool = True
+    max_cached_bytes: int = 8 << 30
+
+    stage_rank: ClassVar[int] = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(
+                f"tensorstash.CpuOffload: pin_memory must be True or False; got {self.pin_memory!r}"
+            )
+        if isinstance(self.max_cached_bytes, bool) or not isinstance(self.max_cached_bytes, int):
+            raise TypeError(
+                "tensorstash.CpuOffload: max_cached_bytes must be an int number of bytes; "
+                f"got {self.max_cached_bytes!r}"
+            )
+        if self.max_cached_bytes < 0:
+            raise ValueError(
+                "tensorstash.CpuOffload: max_cached_bytes must be >= 0 (0 disables the "
+                f"pinned-buffer cache); got {self.max_cached_bytes}"
+            )
+
+    def pack(self, value: Tensor | Packed, ctx: Context) -> Packed:
+        tensor = value.tensor if isinstance(value, Held) else value
+        if not isinstance(tensor, Tensor):
+            raise bug(f"CpuOffload given {type(value).__name__}")
+        nbytes = nbytes_of(tensor)
+        if tensor.device.type != "cuda":
+            ctx.stats.fallback("already on host")
+            return Held("kept", nbytes, nbytes, tensor.detach())
+        if not self.pin_memory:
+            layout, payload = describe(tensor)
+            host = payload.to("cpu")
+            return HostBytes("host", nbytes, layout.nbytes, layout, host)
+        return self._pack_cuda(tensor, ctx)
+
+    def _pack_cuda(self, tensor: Tensor, ctx: Context) -> OnHost:
+        cuda = self._cuda(tensor.device, ctx)
+        cuda.reap()
+        layout, payload = describe(tensor)
+        buffer = cuda.pool.take(layout.nbytes)
+        copied = torch.cuda.Event()
+        cuda.d2h.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(cuda.d2h):
+            buffer.copy_(payload, non_blocking=True)
+            copied.record(cuda.d2h)
+        # The source (and the payload view, which may be a compact copy) stay
+        # alive until `copied` completes: rule 1 of NOTE [ Streams ].
+        uses: list[Any] = []
+        packed = OnHost(
+            "host",
+            nbytes_of(tensor),
+            layout.nbytes,
+            layout,
+            buffer,
+            source=payload,
+            copied=copied,
+            uses=uses,
+        )
+        cuda.inflight.append(packed)
+        finalize(packed, _give_back, cuda.pool, buffer, uses)
+        return packed
+
+    def unpack(self, packed: Packed, ctx: Context) -> Tensor | Packed:
+        if isinstance(packed, Held):
+            return packed.tensor if packed.tensor is not None else _missing()
+        if isinstance(packed, OnHost):
+            return self._restore(packed, ctx, torch.cuda.current_stream(packed.layout.device))
+        if isinstance(packed, HostBytes) and packed.layout is not None:
+            payload = packed.ready().to(packed.layout.device)
+            return rebuild(packed.layout, payload)
+        raise bug(f"CpuOffload cannot unpack {type(packed).__name__}")
+
+    def prefetch(self, packed: Packed, ctx: Context) -> None:
+        if isinstance(packed, OnHost) and packed.restored is None:
+            packed.restored = self._copy_back(packed, ctx)
+
+    def _copy_back(self, packed: OnHost, ctx: Context) -> tuple[Tensor, Any]:
+        layout = _layout_of(packed)
+        cuda = self._cuda(layout.device, ctx)
+        restored = torch.cuda.Event()
+        with torch.cuda.stream(cuda.h2d):
+            cuda.h2d.wait_event(packed.copied)
+            device_bytes = torch.empty(layout.nbytes, dtype=torch.uint8, device=layout.device)
+            device_bytes.copy_(packed.ready_unsynced(), non_blocking=True)
+            restored.record(cuda.h2d)
+        if packed.uses is not None:
+            packed.uses.append(restored)
+        return device_bytes, restored
+
+    def _restore(self, packed: OnHost, ctx: Context, consumer: Any) -> Tensor:
+        restored = packed.restored or self._copy_back(packed, ctx)
+        packed.restored = None  # a cache of prefetch, not a resource: see Rule 5 of stash.py
+        device_bytes, event = restored
+        consumer.wait_event(event)
+        device_bytes.record_stream(consumer)
+        return rebuild(_layout_of(packed), device_bytes)
+
+    def _cuda(self, device: torch.device, ctx: Context) -> _Cuda:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        state = ctx.resource(
+            ("cuda", index), lambda: _Cuda(torch.device("cuda", index), self.max_cached_bytes)
+        )
+        return state  # type: ignore[no-any-return]
+
+
+def _layout_of(packed: HostBytes) -> Layout:
+    if packed.layout is None:
+        raise bug("HostBytes without a layout")
+    return packed.layout
+
+
+def _missing() -> Tensor:
+    raise bug("Held without a tensor")

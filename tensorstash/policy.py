@@ -1,0 +1,395 @@
+"""The Policy protocol, the values policies pack to, Keep and Chain.
+
+# NOTE [ Stages ]
+A policy is configuration; what one pack produced is a :class:`Packed` value
+that owns its resources. Policies compose as stages of a :class:`Chain`:
+
+1. A stage's ``pack`` receives a tensor (first stage) or what the previous
+   stage packed; its ``unpack`` returns the same kind of value it was given,
+   so ``unpack`` of the whole chain runs the stages in reverse and ends with a
+   tensor.
+2. Stages rank by where they put bytes: device -> host (CpuOffload, rank 0),
+   host -> compressed host (Lz4, rank 1), anything -> disk (DiskSpill, rank 2).
+   A chain's ranks must strictly increase; :class:`Chain` checks this when it
+   is built.
+3. The bytes in host memory between stages are a :class:`HostBytes`: a
+   layout (see NOTE [ Geometry ] in _layout.py) and a uint8 payload.
+4. A packed value reports where its bytes rest (``tier``) and how many
+   (``stored_bytes``); work that finishes later (compression, a disk write)
+   reports through :meth:`Context.update`, so stats stay true.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+import weakref
+from collections import deque
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from tensorstash._layout import Layout, describe, rebuild
+from tensorstash.stats import StashStats, Tier
+
+
+def bug(message: str) -> AssertionError:
+    """The error for a broken internal invariant."""
+    return AssertionError(f"tensorstash: {message}; this is a bug in tensorstash, please report it")
+
+
+# -- packed values ---------------------------------------------------------------
+
+
+@dataclass(eq=False, slots=True, weakref_slot=True)
+class Packed:
+    """What a policy's ``pack`` returns; owns the resources that hold the bytes.
+
+    Attributes:
+        tier: where the bytes rest now: "kept", "host" or "disk".
+        nbytes: the tensor's original size in bytes.
+        stored_bytes: bytes held in ``tier`` for it (after compression).
+        accounted: whether the session counts it in the stats (see
+            :meth:`Context.account`).
+    """
+
+    tier: Tier
+    nbytes: int
+    stored_bytes: int
+    accounted: bool = field(default=False, init=False)
+
+
+@dataclass(eq=False, slots=True, weakref_slot=True)
+class Held(Packed):
+    """A tensor left where it was (detached, so the graph is not kept alive)."""
+
+    tensor: Tensor | None = None
+
+
+@dataclass(eq=False, slots=True, weakref_slot=True)
+class HostBytes(Packed):
+    """A tensor's bytes in host memory (rule 3 of NOTE [ Stages ]).
+
+    Attributes:
+        layout: how to rebuild the tensor; ``layout.device`` is where it came from.
+        payload: 1-D uint8 CPU tensor of ``layout.nbytes`` bytes.
+    """
+
+    layout: Layout | None = None
+    payload: Tensor | None = None
+
+    def ready(self) -> Tensor:
+        """The payload, once any copy that fills it has completed."""
+        if self.payload is None:
+            raise bug("HostBytes without a payload")
+        return self.payload
+
+
+Returns = Literal["tensor", "held", "host"]
+
+
+def to_host(value: Tensor | Packed) -> tuple[HostBytes, Returns]:
+    """The host bytes of a stage's input, and which kind :func:`from_host` must rebuild.
+
+    A CPU tensor's payload is a view of its storage: the caller must finish
+    reading it before the tensor may change, and keep the tensor alive meanwhile
+    (the returned value does). A device tensor is copied to the host here,
+    synchronously; use CpuOffload first for an asynchronous copy.
+    """
+    if isinstance(value, HostBytes):
+        value.ready()
+        return value, "host"
+    kind: Returns = "tensor"
+    if isinstance(value, Held):
+        if value.tensor is None:
+            raise bug("Held without a tensor")
+        value, kind = value.tensor, "held"
+    if not isinstance(value, Tensor):
+        raise bug(f"stage input of type {type(value).__name__}")
+    layout, payload = describe(value)
+    if payload.device.type != "cpu":
+        payload = payload.cpu()
+    return HostBytes("host", layout.nbytes, layout.nbytes, layout, payload), kind
+
+
+def from_host(layout: Layout, payload: Tensor, kind: Returns) -> Tensor | Packed:
+    """Rebuild the kind of value :func:`to_host` was given from its bytes."""
+    if kind == "host":
+        return HostBytes("host", layout.nbytes, layout.nbytes, layout, payload)
+    tensor = rebuild(layout, payload)
+    if layout.device.type != "cpu":
+        tensor = tensor.to(layout.device)
+    if kind == "held":
+        return Held("kept", layout.nbytes, layout.nbytes, tensor)
+    return tensor
+
+
+# -- the context a session hands to policies -------------------------------------
+
+
+class Context:
+    """Per-session resources handed to policies: stats, worker threads, warnings.
+
+    Threads start when first needed and stop once the session is closed and no
+    packed value is alive, so a freed graph leaves no thread behind.
+
+    Args:
+        stats: the session's counters.
+        workers: threads for compression and reads.
+    """
+
+    def __init__(self, stats: StashStats, *, workers: int = 2) -> None:
+        self.stats = stats
+        self._workers = workers
+        self._lock = threading.RLock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._live = 0
+        self._open = 0
+        self._warnings: list[str] = []
+        self.resources: dict[Any, Any] = {}
+
+    # Executors -------------------------------------------------------------------
+
+    def pool(self) -> Executor:
+        """Threads for compression and reads (lz4 and file I/O release the GIL)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._workers, "tensorstash-worker")
+            return self._pool
+
+    def writer(self) -> Executor:
+        """One thread that writes spill files in the order they were packed."""
+        with self._lock:
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, "tensorstash-writer")
+            return self._writer
+
+    def resource(self, key: Any, make: Any) -> Any:
+        """The session's resource under ``key``, made by ``make()`` the first time.
+
+        Resources (side streams, buffer pools, spill directories) live until the
+        session is closed and its last packed value freed; then ``close()`` is
+        called on each.
+        """
+        with self._lock:
+            found = self.resources.get(key)
+            if found is None:
+                found = self.resources[key] = make()
+            return found
+
+    # Lifetime --------------------------------------------------------------------
+
+    def opened(self) -> None:
+        with self._lock:
+            self._open += 1
+
+    def closed(self) -> None:
+        with self._lock:
+            self._open -= 1
+            self._maybe_stop()
+
+    def account(self, packed: Packed) -> None:
+        """Start counting a packed value in the stats; it holds the context until freed."""
+        with self._lock:
+            packed.accounted = True
+            self._live += 1
+            self.stats.add(packed.tier, packed.nbytes, packed.stored_bytes)
+
+    def update(self, packed: Packed, tier: Tier, stored: int) -> None:
+        """A packed value's bytes moved to ``tier`` and now take ``stored`` bytes."""
+        with self._lock:
+            old = (packed.tier, packed.nbytes, packed.stored_bytes)
+            packed.tier, packed.stored_bytes = tier, stored
+            if packed.accounted:
+                self.stats.move(old, (tier, packed.nbytes, stored))
+
+    def release(self, packed: Packed) -> None:
+        """A packed value was freed: forget its live bytes."""
+        with self._lock:
+            if packed.accounted:
+                packed.accounted = False
+                self._live -= 1
+                self.stats.release(packed.tier, packed.stored_bytes)
+            self._maybe_stop()
+
+    def _maybe_stop(self) -> None:
+        if self._live or self._open:
+            return
+        for executor in (self._pool, self._writer):
+            if executor is not None:
+                executor.shutdown(wait=False)
+        self._pool = self._writer = None
+        for resource in self.resources.values():
+            close = getattr(resource, "close", None)
+            if close is not None:
+                close()
+        self.resources.clear()
+
+    # Warnings from background threads ---------------------------------------------
+
+    def warn(self, message: str) -> None:
+        """Queue a warning raised on a background thread, shown on the caller's thread."""
+        with self._lock:
+            self._warnings.append(message)
+
+    def flush_warnings(self) -> None:
+        with self._lock:
+            pending, self._warnings = self._warnings, []
+        for message in pending:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+class Pending:
+    """Background work in flight (compressions, disk writes), for back-pressure.
+
+    A stage adds each job with the bytes it holds; ``wait_under`` blocks pack
+    until the jobs still running hold at most ``limit`` bytes.
+    """
+
+    def __init__(self) -> None:
+        self.queue: deque[tuple[Future[Any], int]] = deque()
+        self.bytes = 0
+        self.lock = threading.Lock()
+
+    def add(self, future: Future[Any], nbytes: int) -> None:
+        with self.lock:
+            self.queue.append((future, nbytes))
+            self.bytes += nbytes
+
+    def wait_under(self, limit: int, ctx: Context) -> None:
+        while True:
+            with self.lock:
+                while self.queue and self.queue[0][0].done():
+                    self.bytes -= self.queue.popleft()[1]
+                if self.bytes <= limit or not self.queue:
+                    return
+                oldest = self.queue[0][0]
+            start = time.perf_counter()
+            oldest.exception()  # waits; errors surface at unpack
+            ctx.stats.timed("wait", time.perf_counter() - start)
+
+
+# -- the protocol and the simplest policies --------------------------------------
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Where a saved tensor goes: ``pack`` it, later ``unpack`` it (maybe many times).
+
+    ``unpack`` must not free what ``pack`` made: autograd may unpack again
+    (``retain_graph=True``); the packed value frees its resources when it is
+    garbage-collected. ``prefetch``, when a policy has it, starts bringing a
+    value back before backward needs it.
+    """
+
+    def pack(self, value: Any, ctx: Context) -> Any: ...
+
+    def unpack(self, packed: Any, ctx: Context) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Keep:
+    """Leave every tensor where it is (what plain autograd does), counted in the stats.
+
+    Example:
+        >>> with tensorstash.stash(tensorstash.Keep()) as session:
+        ...     loss = model(x).sum()
+    """
+
+    def pack(self, value: Tensor, ctx: Context) -> Held:
+        nbytes = value.numel() * value.element_size()
+        return Held("kept", nbytes, nbytes, value.detach())
+
+    def unpack(self, packed: Held, ctx: Context) -> Tensor:
+        if packed.tensor is None:
+            raise bug("Held without a tensor")
+        return packed.tensor
+
+
+@dataclass(frozen=True, init=False)
+class Chain:
+    """Stages applied left to right in pack and right to left in unpack.
+
+    Nested chains are flattened. Stages must go from the device outwards (see
+    NOTE [ Stages ]): ``Chain(CpuOffload(), Lz4(), DiskSpill())`` moves a CUDA
+    tensor to host RAM, compresses it and writes it to disk.
+
+    Args:
+        *stages: policies with a stage rank: CpuOffload, Lz4, DiskSpill, or chains
+            of them.
+
+    Raises:
+        TypeError: a stage is not a policy that can be a stage.
+        ValueError: no stage, or stages out of order.
+
+    Example:
+        >>> policy = tensorstash.Chain(tensorstash.Lz4(), tensorstash.DiskSpill())
+    """
+
+    stages: tuple[Any, ...]
+
+    def __init__(self, *stages: Any) -> None:
+        flat: list[Any] = []
+        for stage in stages:
+            flat.extend(stage.stages if isinstance(stage, Chain) else (stage,))
+        if not flat:
+            raise ValueError(
+                "tensorstash.Chain: no stages given; pass policies such as "
+                "Chain(Lz4(), DiskSpill())"
+            )
+        for stage in flat:
+            if isinstance(stage, str) or not isinstance(getattr(stage, "stage_rank", None), int):
+                raise TypeError(
+                    f"tensorstash.Chain: {stage!r} cannot be a stage; stages are CpuOffload(), "
+                    "Lz4() and DiskSpill() (Keep and Select are whole policies: pass them to "
+                    "stash() directly)"
+                )
+        ranks = [stage.stage_rank for stage in flat]
+        if any(a >= b for a, b in zip(ranks, ranks[1:], strict=False)):
+            names = ", ".join(type(stage).__name__ for stage in flat)
+            raise ValueError(
+                f"tensorstash.Chain: stages ({names}) are out of order; each stage must move "
+                "bytes further from the device: CpuOffload, then Lz4, then DiskSpill, each "
+                "at most once"
+            )
+        object.__setattr__(self, "stages", tuple(flat))
+
+    stage_rank: ClassVar[None] = None
+
+    def pack(self, value: Tensor, ctx: Context) -> Any:
+        for stage in self.stages:
+            value = stage.pack(value, ctx)
+        return value
+
+    def unpack(self, packed: Any, ctx: Context) -> Any:
+        for stage in reversed(self.stages):
+            packed = stage.unpack(packed, ctx)
+        return packed
+
+    def prefetch(self, packed: Any, ctx: Context) -> None:
+        prefetch = getattr(self.stages[-1], "prefetch", None)
+        if prefetch is not None:
+            prefetch(packed, ctx)
+
+
+def finalize(owner: object, func: Any, *args: Any) -> weakref.finalize:
+    """Run ``func(*args)`` when ``owner`` is garbage-collected (and at exit)."""
+    return weakref.finalize(owner, func, *args)
+
+
+def nbytes_of(tensor: Tensor) -> int:
+    """Bytes of a tensor's elements (not of its storage)."""
+    return tensor.numel() * tensor.element_size()
+
+
+def device_of(value: Tensor | Packed) -> torch.device:
+    if isinstance(value, Tensor):
+        return value.device
+    if isinstance(value, Held) and value.tensor is not None:
+        return value.tensor.device
+    return torch.device("cpu")

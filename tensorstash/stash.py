@@ -1,0 +1,398 @@
+"""``stash()``: the session that owns ``saved_tensors_hooks``, and ``pause()``.
+
+# NOTE [ Session ]
+Every tensor autograd saves inside ``with stash(policy):`` reaches
+:meth:`Session.pack`; backward hands back what pack returned to
+:meth:`Session.unpack`. Around any policy the session applies these rules:
+
+1. Eligibility. Parameters (and views or casts of them), tensors under
+   ``min_bytes``, and tensors no policy can handle (sparse, nested, meta,
+   quantized, conjugate or negative views, functorch wrappers, subclasses such
+   as fake tensors) are kept untouched and counted in ``stats.skipped``.
+2. Version check. With hooks pushed autograd no longer notices a saved tensor
+   changed in place, so the session records ``tensor._version`` at pack and
+   compares at unpack, raising as plain autograd would.
+3. Dedupe. The same storage, geometry and version saved again while its first
+   pack is alive returns that pack (keyed by a weak reference to the storage,
+   never by a bare pointer).
+4. Order. Each pack remembers (weakly) the one before it; backward unpacks
+   roughly in reverse, so unpacking one starts the prefetch of the previous few.
+5. Lifetime. The value autograd holds (a :class:`_Saved`) owns the packed
+   value; when autograd frees the graph, a finalizer releases its stats and the
+   policy's resources. Nothing is freed in unpack: autograd may unpack again.
+6. Nesting. Only the innermost hook pair is active, so an inner session wins in
+   its region; :func:`pause` pops this thread's sessions' hooks for a region.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tensorstash.policy import Context, Held, Keep, Packed, Policy, bug, nbytes_of
+from tensorstash.stats import StashStats
+
+DEFAULT_MIN_BYTES = 64 * 1024
+"""Tensors smaller than this are kept: moving them costs more time than the bytes are worth."""
+
+PREFETCH_DEPTH = 2
+"""How many earlier packs an unpack starts bringing back."""
+
+_KEEP = Keep()
+_local = threading.local()
+
+
+def _active() -> list[Session]:
+    """This thread's sessions whose hooks are pushed, innermost last."""
+    active: list[Session] | None = getattr(_local, "active", None)
+    if active is None:
+        active = _local.active = []
+    return active
+
+
+def _policy_names() -> dict[str, Any]:
+    from tensorstash.compress import Lz4
+    from tensorstash.cpu import CpuOffload
+    from tensorstash.disk import DiskSpill
+
+    names: dict[str, Any] = {"keep": Keep, "cpu": CpuOffload, "lz4": Lz4, "disk": DiskSpill}
+    try:
+        from tensorstash.auto import Auto
+    except ImportError:  # the selector is optional until it exists
+        pass
+    else:
+        names["auto"] = Auto
+    return names
+
+
+def resolve(policy: Policy | str) -> Policy:
+    """A policy object from a policy or its name ("keep", "cpu", "lz4", "disk", "auto").
+
+    Raises:
+        ValueError: an unknown name.
+        TypeError: neither a name nor an object with ``pack`` and ``unpack``.
+    """
+    if isinstance(policy, str):
+        names = _policy_names()
+        factory = names.get(policy)
+        if factory is None:
+            raise ValueError(
+                f"tensorstash.stash: unknown policy name {policy!r}; use one of "
+                f"{', '.join(repr(n) for n in names)} or a policy object such as "
+                "tensorstash.Chain(tensorstash.Lz4(), tensorstash.DiskSpill())"
+            )
+        return factory()  # type: ignore[no-any-return]
+    if not (callable(getattr(policy, "pack", None)) and callable(getattr(policy, "unpack", None))):
+        raise TypeError(
+            f"tensorstash.stash: policy must be a policy object (with pack and unpack) or a "
+            f"name such as 'lz4'; got {type(policy).__name__} {policy!r}"
+        )
+    return policy
+
+
+# -- what autograd holds --------------------------------------------------------------
+
+
+class _Saved:
+    """One saved tensor as autograd holds it: the policy, its packed value, a version stamp."""
+
+    __slots__ = ("__weakref__", "packed", "policy", "prefetched", "prev", "source", "version")
+
+    def __init__(self, policy: Policy, packed: Any, source: Tensor, prev: _Saved | None) -> None:
+        self.policy = policy
+        self.packed = packed
+        self.version = source._version
+        self.source = weakref.ref(source)
+        self.prev = None if prev is None else weakref.ref(prev)
+        self.prefetched = False
+
+    def check_version(self) -> None:
+        """Raise as autograd would if the saved tensor changed in place (rule 2)."""
+        source = self.source()
+        if source is not None and source._version != self.version:
+            raise _modified(source, source._version, self.version)
+
+
+class _Untouched:
+    """A tensor kept as it is (not eligible), with its version stamp."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor.detach()
+        self.version = tensor._version
+
+
+def _modified(tensor: Tensor, now: int, expected: int) -> RuntimeError:
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: [{tensor.dtype} {list(tensor.shape)}] is at version {now}; "
+        f"expected version {expected} instead. (Checked by tensorstash, since autograd does "
+        "not check saved tensors while saved-tensor hooks are active.) Hint: do not modify "
+        "a tensor in place after an operation saved it for backward; use an out-of-place "
+        "operation or .clone() it first."
+    )
+
+
+# -- eligibility ------------------------------------------------------------------------
+
+_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+_PARAMETER_COPIES = frozenset({"ToCopyBackward0", "TBackward0", "TransposeBackward0"})
+
+
+def _is_parameter(tensor: Tensor) -> bool:
+    """A parameter, a view of one, or a cast of one (autocast's bf16 weight copies)."""
+    if isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
+        return True
+    base = tensor._base
+    if base is not None and (isinstance(base, torch.nn.Parameter) or base.requires_grad and base.is_leaf):
+        return True
+    grad_fn = tensor.grad_fn
+    if grad_fn is not None and type(grad_fn).__name__ in _PARAMETER_COPIES:
+        nexts = grad_fn.next_functions
+        return len(nexts) == 1 and type(nexts[0][0]).__name__ == "AccumulateGrad"
+    return False
+
+
+def _ineligible(tensor: Tensor, min_bytes: int) -> str | None:
+    """Why a tensor must be kept untouched (rule 1), or None if a policy may take it."""
+    if type(tensor) not in (Tensor, torch.nn.Parameter):
+        return "tensor subclass"
+    if tensor.layout != torch.strided:
+        return f"{str(tensor.layout).removeprefix('torch.')} layout"
+    if tensor.is_nested:
+        return "nested tensor"
+    if _WRAPPED is not None and _WRAPPED(tensor):
+        return "functorch wrapper"
+    if tensor.device.type not in ("cpu", "cuda"):
+        return f"{tensor.device.type} device"
+    if tensor.is_quantized:
+        return "quantized"
+    if tensor.is_conj() or tensor.is_neg():
+        return "conjugate or negative view"
+    if _is_parameter(tensor):
+        return "parameter"
+    if nbytes_of(tensor) < min_bytes:
+        return "under min_bytes"
+    return None
+
+
+# -- the session --------------------------------------------------------------------------
+
+
+class Session(contextlib.ContextDecorator):
+    """A stash session; see :func:`stash` and NOTE [ Session ].
+
+    Attributes:
+        policy: where eligible tensors go.
+        min_bytes: tensors smaller than this are kept.
+        stats: what the session did (:class:`~tensorstash.StashStats`).
+    """
+
+    def __init__(self, policy: Policy, *, min_bytes: int, workers: int) -> None:
+        self.policy = policy
+        self.min_bytes = min_bytes
+        self.stats = StashStats()
+        self._ctx = Context(self.stats, workers=workers)
+        self._last: weakref.ref[_Saved] | None = None
+        self._dedupe: dict[tuple[Any, ...], tuple[weakref.ref[Any], weakref.ref[_Saved]]] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"tensorstash.stash({self.policy!r}, min_bytes={self.min_bytes})"
+
+    # Context manager ---------------------------------------------------------------
+
+    def __enter__(self) -> Session:
+        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+        _active().append(self)
+        self._ctx.opened()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        active = _active()
+        if not active or active[-1] is not self:
+            raise RuntimeError(
+                "tensorstash.stash: sessions were exited out of order; exit the innermost "
+                "stash first (use them as nested `with` blocks)"
+            )
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None or top[0] != self.pack:
+            raise RuntimeError(
+                "tensorstash.stash: other saved-tensor hooks are still pushed inside this "
+                "session; close them before the session ends"
+            )
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        active.pop()
+        self._ctx.closed()
+        self._ctx.flush_warnings()
+
+    # Hooks ----------------------------------------------------------------------------
+
+    def pack(self, tensor: Tensor) -> Any:
+        """The pack hook: decide, dedupe, pack, account (NOTE [ Session ])."""
+        start = time.perf_counter()
+        reason = _ineligible(tensor, self.min_bytes)
+        if reason is not None:
+            self.stats.skip(reason, nbytes_of(tensor))
+            return _Untouched(tensor)
+        key, storage = self._dedupe_key(tensor)
+        found = self._dedupe.get(key)
+        if found is not None and found[0]() is storage:
+            saved = found[1]()
+            if saved is not None:
+                self.stats.count_dedupe()
+                return saved
+        packed = self.policy.pack(tensor, self._ctx)
+        saved = _Saved(self.policy, packed, tensor, self._last and self._last())
+        self._remember(saved, key, storage)
+        self.stats.timed("pack", time.perf_counter() - start)
+        self._ctx.flush_warnings()
+        return saved
+
+    def unpack(self, saved: Any) -> Tensor:
+        """The unpack hook: check the version, prefetch earlier packs, unpack."""
+        if isinstance(saved, _Untouched):
+            if saved.tensor._version != saved.version:
+                raise _modified(saved.tensor, saved.tensor._version, saved.version)
+            return saved.tensor
+        if not isinstance(saved, _Saved):
+            raise bug(f"unpack received {type(saved).__name__}")
+        start = time.perf_counter()
+        saved.check_version()
+        self._prefetch_before(saved)
+        tensor = saved.policy.unpack(saved.packed, self._ctx)
+        if isinstance(tensor, Held):
+            tensor = tensor.tensor
+        if not isinstance(tensor, Tensor):
+            raise bug(f"policy {saved.policy!r} unpacked to {type(tensor).__name__}")
+        self.stats.timed("unpack", time.perf_counter() - start)
+        self._ctx.flush_warnings()
+        return tensor
+
+    # Internals -------------------------------------------------------------------------
+
+    @staticmethod
+    def _dedupe_key(tensor: Tensor) -> tuple[tuple[Any, ...], Any]:
+        storage = tensor.untyped_storage()
+        key = (
+            id(storage),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+            tensor._version,
+        )
+        return key, storage
+
+    def _remember(self, saved: _Saved, key: tuple[Any, ...], storage: Any) -> None:
+        packed = saved.packed
+        if isinstance(packed, Packed):
+            self._ctx.account(packed)
+        self._dedupe[key] = (weakref.ref(storage), weakref.ref(saved))
+        self._last = weakref.ref(saved)
+        weakref.finalize(saved, _release, self._ctx, packed, self._dedupe, key)
+
+    def _prefetch_before(self, saved: _Saved) -> None:
+        ref = saved.prev
+        for _ in range(PREFETCH_DEPTH):
+            earlier = ref() if ref is not None else None
+            if earlier is None:
+                return
+            prefetch = getattr(earlier.policy, "prefetch", None)
+            if prefetch is not None and not earlier.prefetched:
+                earlier.prefetched = True
+                prefetch(earlier.packed, self._ctx)
+            ref = earlier.prev
+
+
+def _release(ctx: Context, packed: Any, dedupe: dict[Any, Any], key: tuple[Any, ...]) -> None:
+    """Finalizer of a :class:`_Saved`: forget its dedupe entry and its live bytes."""
+    entry = dedupe.get(key)
+    if entry is not None and entry[1]() is None:
+        del dedupe[key]
+    if isinstance(packed, Packed):
+        ctx.release(packed)
+
+
+def stash(
+    policy: Policy | str = "auto",
+    *,
+    min_bytes: int = DEFAULT_MIN_BYTES,
+    workers: int = 2,
+) -> Session:
+    """Move the tensors autograd saves for backward out of the way.
+
+    Every tensor saved inside the session goes through ``policy`` (see NOTE
+    [ Session ] in this module for what is kept untouched). Gradients equal
+    plain autograd's bit for bit under every lossless policy.
+
+    Args:
+        policy: a policy object (``Keep()``, ``CpuOffload()``, ``Lz4()``,
+            ``DiskSpill()``, a ``Chain`` of them, ``Select``/``Auto``) or its name:
+            "keep", "cpu", "lz4", "disk", "auto".
+        min_bytes: tensors smaller than this many bytes are kept as they are.
+        workers: threads for compression and reads.
+
+    Returns:
+        A :class:`Session`: a context manager and a decorator; ``session.stats``
+        holds its counters.
+
+    Raises:
+        TypeError, ValueError: a bad policy or argument, with what to pass instead.
+
+    Example:
+        >>> with tensorstash.stash(tensorstash.Chain(tensorstash.Lz4(), tensorstash.DiskSpill())) as s:
+        ...     loss = model(batch).sum()
+        >>> loss.backward()
+        >>> print(s.stats.table())
+
+    .. warning::
+        ``torch.func.grad``, ``vjp``, ``jacrev`` and ``hessian`` refuse to run
+        while saved-tensor hooks are pushed: call them inside :func:`pause`.
+    """
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+        raise TypeError(
+            f"tensorstash.stash: min_bytes must be a non-negative int (bytes); got {min_bytes!r}"
+        )
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise TypeError(f"tensorstash.stash: workers must be a positive int; got {workers!r}")
+    return Session(resolve(policy), min_bytes=min_bytes, workers=workers)
+
+
+@contextlib.contextmanager
+def pause() -> Iterator[None]:
+    """Save tensors as plain autograd would inside this region, even within a stash.
+
+    Pops this thread's tensorstash hooks for the region and pushes them back
+    after, so ``torch.func.grad`` and friends (which refuse to run while hooks
+    are pushed) work inside it, and an output head can stay in memory.
+
+    Example:
+        >>> with tensorstash.stash("lz4"):
+        ...     h = body(x)
+        ...     with tensorstash.pause():
+        ...         g = torch.func.grad(loss_fn)(h.detach())
+    """
+    popped: list[Session] = []
+    active = _active()
+    for session in reversed(active):
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None or top[0] != session.pack:
+            break
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        popped.append(session)
+    del active[len(active) - len(popped) :]
+    try:
+        yield
+    finally:
+        for session in reversed(popped):
+            torch._C._autograd._push_saved_tensors_default_hooks(session.pack, session.unpack)
+            active.append(session)

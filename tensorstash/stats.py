@@ -1,0 +1,197 @@
+"""What a stash session did: bytes per tier, time spent, and why tensors were kept."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Tier = Literal["kept", "host", "disk"]
+TIERS: tuple[Tier, ...] = ("kept", "host", "disk")
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters of one tier.
+
+    Attributes:
+        tensors: tensors packed whose bytes rest in this tier.
+        bytes: their original size.
+        stored_bytes: their size as stored (after compression).
+        live_bytes: stored bytes held in this tier now.
+        peak_bytes: the most stored bytes held in this tier at once.
+    """
+
+    tensors: int = 0
+    bytes: int = 0
+    stored_bytes: int = 0
+    live_bytes: int = 0
+    peak_bytes: int = 0
+
+    def _hold(self, stored: int) -> None:
+        self.live_bytes += stored
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+
+@dataclass(eq=False)
+class StashStats:
+    """Counters of a stash session, safe to update from background threads.
+
+    ``bytes`` are the tensors' original sizes, ``stored_bytes`` their sizes as
+    stored, after compression. The tier "kept" counts tensors left where they
+    were (kept by the policy, or not eligible); "host" counts bytes in host RAM
+    that the tensors were moved or compressed to; "disk" counts spilled bytes.
+
+    Example:
+        >>> with tensorstash.stash("lz4") as session:
+        ...     loss = model(x).sum()
+        >>> print(session.stats.table())
+    """
+
+    tiers: dict[Tier, TierStats] = field(default_factory=lambda: {t: TierStats() for t in TIERS})
+    pack_seconds: float = 0.0
+    unpack_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    skipped: Counter[str] = field(default_factory=Counter)
+    fallbacks: Counter[str] = field(default_factory=Counter)
+    deduplicated: int = 0
+    unpacks: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    # -- updates (called by the session and by policies) ------------------------
+
+    def add(self, tier: Tier, nbytes: int, stored: int) -> None:
+        """Count a packed tensor that now holds ``stored`` bytes in ``tier``."""
+        with self._lock:
+            counters = self.tiers[tier]
+            counters.tensors += 1
+            counters.bytes += nbytes
+            counters.stored_bytes += stored
+            counters._hold(stored)
+
+    def move(self, old: tuple[Tier, int, int], new: tuple[Tier, int, int]) -> None:
+        """Move a packed tensor's bytes: ``(tier, nbytes, stored)`` before and after.
+
+        Used when background work finishes (compression shrank the bytes, a
+        disk write completed or fell back to memory).
+        """
+        with self._lock:
+            before, after = self.tiers[old[0]], self.tiers[new[0]]
+            before.live_bytes -= old[2]
+            before.stored_bytes -= old[2]
+            if old[0] != new[0]:
+                before.tensors -= 1
+                before.bytes -= old[1]
+                after.tensors += 1
+                after.bytes += new[1]
+            after.stored_bytes += new[2]
+            after._hold(new[2])
+
+    def release(self, tier: Tier, stored: int) -> None:
+        """Forget ``stored`` live bytes of ``tier``: their packed value was freed."""
+        with self._lock:
+            self.tiers[tier].live_bytes -= stored
+
+    def skip(self, reason: str, nbytes: int) -> None:
+        """Count a tensor kept untouched because it is not eligible (``reason``)."""
+        with self._lock:
+            self.skipped[reason] += 1
+            counters = self.tiers["kept"]
+            counters.tensors += 1
+            counters.bytes += nbytes
+            counters.stored_bytes += nbytes
+
+    def fallback(self, reason: str) -> None:
+        """Count a tensor that a policy could not place where it wanted."""
+        with self._lock:
+            self.fallbacks[reason] += 1
+
+    def timed(self, kind: Literal["pack", "unpack", "wait"], seconds: float) -> None:
+        with self._lock:
+            if kind == "pack":
+                self.pack_seconds += seconds
+            elif kind == "unpack":
+                self.unpack_seconds += seconds
+                self.unpacks += 1
+            else:
+                self.wait_seconds += seconds
+
+    def count_dedupe(self) -> None:
+        with self._lock:
+            self.deduplicated += 1
+
+    # -- reading -----------------------------------------------------------------
+
+    @property
+    def live_bytes(self) -> int:
+        """Stored bytes held now, all tiers together."""
+        return sum(t.live_bytes for t in self.tiers.values())
+
+    @property
+    def compression_ratio(self) -> float:
+        """Original over stored bytes of the tensors moved off the device (1.0 if none)."""
+        moved = [self.tiers["host"], self.tiers["disk"]]
+        stored = sum(t.stored_bytes for t in moved)
+        original = sum(t.bytes for t in moved)
+        return original / stored if stored else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy of every counter."""
+        with self._lock:
+            return {
+                "tiers": {
+                    name: {
+                        "tensors": t.tensors,
+                        "bytes": t.bytes,
+                        "stored_bytes": t.stored_bytes,
+                        "live_bytes": t.live_bytes,
+                        "peak_bytes": t.peak_bytes,
+                    }
+                    for name, t in self.tiers.items()
+                },
+                "compression_ratio": self._ratio_unlocked(),
+                "pack_seconds": self.pack_seconds,
+                "unpack_seconds": self.unpack_seconds,
+                "wait_seconds": self.wait_seconds,
+                "unpacks": self.unpacks,
+                "deduplicated": self.deduplicated,
+                "skipped": dict(self.skipped),
+                "fallbacks": dict(self.fallbacks),
+            }
+
+    def _ratio_unlocked(self) -> float:
+        moved = [self.tiers["host"], self.tiers["disk"]]
+        stored = sum(t.stored_bytes for t in moved)
+        return sum(t.bytes for t in moved) / stored if stored else 1.0
+
+    def table(self) -> str:
+        """A plain-text table for people: one row per tier, then times and reasons."""
+        data = self.to_dict()
+        header = f"{'tier':<6} {'tensors':>8} {'bytes':>11} {'stored':>11} {'live':>11} {'peak':>11}"
+        lines = [header, "-" * len(header)]
+        for name, t in data["tiers"].items():
+            lines.append(
+                f"{name:<6} {t['tensors']:>8} {human_bytes(t['bytes']):>11} "
+                f"{human_bytes(t['stored_bytes']):>11} {human_bytes(t['live_bytes']):>11} "
+                f"{human_bytes(t['peak_bytes']):>11}"
+            )
+        lines.append(
+            f"compression {data['compression_ratio']:.2f}x  pack {data['pack_seconds']:.3f}s  "
+            f"unpack {data['unpack_seconds']:.3f}s  wait {data['wait_seconds']:.3f}s  "
+            f"deduplicated {data['deduplicated']}"
+        )
+        for title, reasons in (("kept untouched", data["skipped"]), ("fallbacks", data["fallbacks"])):
+            if reasons:
+                text = ", ".join(f"{why}: {n}" for why, n in sorted(reasons.items()))
+                lines.append(f"{title}: {text}")
+        return "\n".join(lines)
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
