@@ -8,6 +8,7 @@ Example:
     >>> print(session.stats.table())
 """
 
+from tensorstash.auto import Auto, Memory, Select
 from tensorstash.compress import Lz4
 from tensorstash.cpu import CpuOffload
 from tensorstash.disk import DiskSpill, SpillError
@@ -16,14 +17,17 @@ from tensorstash.stash import Session, pause, stash
 from tensorstash.stats import StashStats
 
 __all__ = [
+    "Auto",
     "Chain",
     "Context",
     "CpuOffload",
     "DiskSpill",
     "Keep",
     "Lz4",
+    "Memory",
     "Packed",
     "Policy",
+    "Select",
     "Session",
     "SpillError",
     "StashStats",

@@ -229,7 +229,8 @@ class CpuOffload:
         if isinstance(packed, Held):
             return packed.tensor if packed.tensor is not None else _missing()
         if isinstance(packed, OnHost):
-            return self._restore(packed, ctx, torch.cuda.current_stream(packed.layout.device))
+            consumer = torch.cuda.current_stream(_layout_of(packed).device)
+            return self._restore(packed, ctx, consumer)
         if isinstance(packed, HostBytes) and packed.layout is not None:
             payload = packed.ready().to(packed.layout.device)
             return rebuild(packed.layout, payload)
@@ -265,7 +266,7 @@ class CpuOffload:
         state = ctx.resource(
             ("cuda", index), lambda: _Cuda(torch.device("cuda", index), self.max_cached_bytes)
         )
-        return state  # type: ignore[no-any-return]
+        return state
 
 
 def _layout_of(packed: HostBytes) -> Layout:

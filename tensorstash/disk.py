@@ -77,7 +77,9 @@ def check_parent(parent: Path, api: str) -> None:
     try:
         info = os.stat(parent)
     except OSError as error:
-        raise ValueError(f"{api}: directory '{parent}' cannot be used ({error.strerror}); {fix}") from None
+        raise ValueError(
+            f"{api}: directory '{parent}' cannot be used ({error.strerror}); {fix}"
+        ) from None
     if not stat.S_ISDIR(info.st_mode):
         raise ValueError(f"{api}: '{parent}' is not a directory; {fix}")
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -106,7 +108,7 @@ def _stale(entry: os.DirEntry[str], uid: int) -> bool:
 
 def remove_stale(parent: Path) -> list[str]:
     """Remove spill directories left in ``parent`` by dead processes of this user."""
-    removed = []
+    removed: list[str] = []
     uid = os.getuid()
     try:
         entries = list(os.scandir(parent))
@@ -380,7 +382,9 @@ def _write(
         size, crc = _write_file(directory, name, buffers)
     except OSError as error:
         if error.errno not in _FULL:
-            raise SpillError(f"tensorstash.DiskSpill: cannot write {packed.describe()}: {error}") from error
+            raise SpillError(
+                f"tensorstash.DiskSpill: cannot write {packed.describe()}: {error}"
+            ) from error
         directory.remove(name)
         ctx.stats.fallback("disk full")
         ctx.warn(

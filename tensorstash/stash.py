@@ -63,12 +63,9 @@ def _policy_names() -> dict[str, Any]:
     from tensorstash.disk import DiskSpill
 
     names: dict[str, Any] = {"keep": Keep, "cpu": CpuOffload, "lz4": Lz4, "disk": DiskSpill}
-    try:
-        from tensorstash.auto import Auto
-    except ImportError:  # the selector is optional until it exists
-        pass
-    else:
-        names["auto"] = Auto
+    from tensorstash.auto import Auto
+
+    names["auto"] = Auto
     return names
 
 
@@ -88,7 +85,7 @@ def resolve(policy: Policy | str) -> Policy:
                 f"{', '.join(repr(n) for n in names)} or a policy object such as "
                 "tensorstash.Chain(tensorstash.Lz4(), tensorstash.DiskSpill())"
             )
-        return factory()  # type: ignore[no-any-return]
+        return factory()  # type: ignore[no-any-return,unused-ignore]
     if not (callable(getattr(policy, "pack", None)) and callable(getattr(policy, "unpack", None))):
         raise TypeError(
             f"tensorstash.stash: policy must be a policy object (with pack and unpack) or a "
@@ -152,7 +149,9 @@ def _is_parameter(tensor: Tensor) -> bool:
     if isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
         return True
     base = tensor._base
-    if base is not None and (isinstance(base, torch.nn.Parameter) or base.requires_grad and base.is_leaf):
+    if base is not None and (
+        isinstance(base, torch.nn.Parameter) or (base.requires_grad and base.is_leaf)
+    ):
         return True
     grad_fn = tensor.grad_fn
     if grad_fn is not None and type(grad_fn).__name__ in _PARAMETER_COPIES:
@@ -250,8 +249,12 @@ class Session(contextlib.ContextDecorator):
             if saved is not None:
                 self.stats.count_dedupe()
                 return saved
-        packed = self.policy.pack(tensor, self._ctx)
-        saved = _Saved(self.policy, packed, tensor, self._last and self._last())
+        policy = self.policy
+        choose = getattr(policy, "choose", None)
+        if choose is not None:  # a selector: NOTE [ Selection ] in auto.py
+            policy = choose(tensor, self._ctx)
+        packed = policy.pack(tensor, self._ctx)
+        saved = _Saved(policy, packed, tensor, None if self._last is None else self._last())
         self._remember(saved, key, storage)
         self.stats.timed("pack", time.perf_counter() - start)
         self._ctx.flush_warnings()

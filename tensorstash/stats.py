@@ -168,7 +168,9 @@ class StashStats:
     def table(self) -> str:
         """A plain-text table for people: one row per tier, then times and reasons."""
         data = self.to_dict()
-        header = f"{'tier':<6} {'tensors':>8} {'bytes':>11} {'stored':>11} {'live':>11} {'peak':>11}"
+        header = (
+            f"{'tier':<6} {'tensors':>8} {'bytes':>11} {'stored':>11} {'live':>11} {'peak':>11}"
+        )
         lines = [header, "-" * len(header)]
         for name, t in data["tiers"].items():
             lines.append(
@@ -181,7 +183,10 @@ class StashStats:
             f"unpack {data['unpack_seconds']:.3f}s  wait {data['wait_seconds']:.3f}s  "
             f"deduplicated {data['deduplicated']}"
         )
-        for title, reasons in (("kept untouched", data["skipped"]), ("fallbacks", data["fallbacks"])):
+        for title, reasons in (
+            ("kept untouched", data["skipped"]),
+            ("fallbacks", data["fallbacks"]),
+        ):
             if reasons:
                 text = ", ".join(f"{why}: {n}" for why, n in sorted(reasons.items()))
                 lines.append(f"{title}: {text}")

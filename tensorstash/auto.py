@@ -1,0 +1,246 @@
+"""Select and Auto: a policy chosen per tensor from its size and the memory left.
+
+# NOTE [ Selection ]
+1. A selector has ``choose(tensor, ctx) -> Policy``; the session calls it for
+   each eligible tensor and keeps the chosen policy beside the packed value,
+   so unpack dispatches on what pack chose (no registry, no ids).
+2. ``memory`` is a :class:`Memory` snapshot: device free/total bytes (CUDA:
+   ``torch.cuda.mem_get_info``; a CPU tensor's device is the host), host
+   available bytes (psutil), and the bytes this session holds per tier.
+3. Probes are arguments with defaults and their readings are cached for
+   ``refresh_s`` seconds of the injected clock, so a decision costs a few
+   microseconds, not a system call.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import torch
+from torch import Tensor
+
+from tensorstash.compress import Lz4
+from tensorstash.cpu import CpuOffload
+from tensorstash.disk import DiskSpill
+from tensorstash.policy import Chain, Context, Keep, Policy
+from tensorstash.stats import Tier
+
+Probe = Callable[[torch.device], tuple[int, int]]
+"""``probe(device) -> (free_bytes, total_bytes)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """What a rule sees of memory when a tensor is saved (rule 2 of NOTE [ Selection ])."""
+
+    device_free: int
+    device_total: int
+    host_available: int
+    held: dict[Tier, int]
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """Free and total bytes of a device; the host's for a CPU tensor."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+    return host_memory(device)
+
+
+def host_memory(device: torch.device | None = None) -> tuple[int, int]:
+    """Available and total bytes of host RAM."""
+    info = psutil.virtual_memory()
+    return int(info.available), int(info.total)
+
+
+Rule = Callable[[Tensor, Memory], Any]
+
+
+@dataclass(frozen=True)
+class Select:
+    """Pack each eligible tensor with the policy ``rule(tensor, memory)`` returns.
+
+    Args:
+        rule: ``rule(tensor, memory) -> Policy`` (a policy object or name).
+        device_probe: ``(device) -> (free, total)``; default: CUDA's or the host's.
+        host_probe: ``(device) -> (available, total)`` of host RAM; default psutil.
+        refresh_s: how long a probe's reading is reused.
+        clock: seconds, monotonic; injected for tests.
+
+    Example:
+        >>> big = lambda t, m: tensorstash.Lz4() if t.numel() > 1 << 20 else tensorstash.Keep()
+        >>> with tensorstash.stash(tensorstash.Select(big)):
+        ...     loss = model(x).sum()
+    """
+
+    rule: Rule
+    device_probe: Probe = device_memory
+    host_probe: Probe = host_memory
+    refresh_s: float = 0.05
+    clock: Callable[[], float] = time.monotonic
+    _cache: dict[Any, tuple[float, tuple[int, int]]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        if not callable(self.rule):
+            raise TypeError(
+                f"tensorstash.Select: rule must be callable as rule(tensor, memory) -> policy; "
+                f"got {self.rule!r}"
+            )
+
+    def memory(self, tensor: Tensor, ctx: Context) -> Memory:
+        """The snapshot a rule sees for ``tensor`` (probes cached, rule 3)."""
+        free, total = self._read("device", tensor.device, self.device_probe)
+        available, _ = self._read("host", torch.device("cpu"), self.host_probe)
+        held = {name: tier.live_bytes for name, tier in ctx.stats.tiers.items()}
+        return Memory(free, total, available, held)
+
+    def _read(self, kind: str, device: torch.device, probe: Probe) -> tuple[int, int]:
+        now = self.clock()
+        key = (kind, device)
+        found = self._cache.get(key)
+        if found is None or now - found[0] > self.refresh_s:
+            found = self._cache[key] = (now, probe(device))
+        return found[1]
+
+    def choose(self, tensor: Tensor, ctx: Context) -> Policy:
+        from tensorstash.stash import resolve
+
+        return resolve(self.rule(tensor, self.memory(tensor, ctx)))
+
+    def pack(self, value: Tensor, ctx: Context) -> Any:
+        raise TypeError(
+            "tensorstash.Select: a selector chooses a policy per tensor; pass it to "
+            "tensorstash.stash(), not as a stage of a Chain"
+        )
+
+    def unpack(self, packed: Any, ctx: Context) -> Tensor:
+        raise TypeError("tensorstash.Select: unpack is dispatched to the chosen policy")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_bytes(value: int | float | str, api: str, name: str) -> int | float:
+    """``"2GiB"`` -> 2147483648; ints pass through; floats in (0, 1] stay fractions."""
+    if isinstance(value, bool):
+        raise TypeError(
+            f"{api}: {name} must be bytes, a size like '2GiB', or a fraction; got {value!r}"
+        )
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{api}: {name} must be >= 0; got {value}")
+        return value
+    if isinstance(value, float):
+        if not 0 < value <= 1:
+            raise ValueError(
+                f"{api}: {name} as a float is a fraction of memory in (0, 1]; got {value}"
+            )
+        return value
+    match = _SIZE.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise ValueError(
+            f"{api}: {name} must be bytes (int), a size such as '512MiB' or '2GB', or a "
+            f"fraction such as 0.5; got {value!r}"
+        )
+    number, unit = float(match.group(1)), match.group(2).lower()
+    scale = 1024 ** "bkmgt".index(unit[0]) if "i" in unit else _UNITS[unit[:1]]
+    return int(number * scale)
+
+
+def _resolve_budget(budget: int | float, total: int) -> int:
+    return int(budget * total) if isinstance(budget, float) else budget
+
+
+@dataclass(frozen=True)
+class Auto:
+    """The default selector: keep what fits, move the rest outwards.
+
+    Rules, in order, for each eligible tensor:
+
+    1. While the tensors this session keeps on their device stay within
+       ``device_budget``: keep it ("under device budget").
+    2. Host RAM available, less this tensor, would fall under ``host_reserve``:
+       compress and spill it to disk ("host memory low").
+    3. Otherwise: move it to host RAM, compressed (lz4 decides per tensor from a
+       sample whether compression pays; "device budget reached").
+
+    Args:
+        device_budget: bytes kept on the device per session: an int, a size
+            such as "2GiB", or a fraction of the device's total memory. Default:
+            half of the device memory free when the first tensor is saved.
+        host_reserve: host RAM to leave free before spilling to disk (int, size
+            string or fraction of host RAM). Default "2GiB".
+        directory: where DiskSpill makes its private directory.
+        device_probe, host_probe, clock: injected probes (see :class:`Select`).
+
+    Example:
+        >>> with tensorstash.stash(tensorstash.Auto(device_budget="4GiB")) as session:
+        ...     loss = model(x).sum()
+    """
+
+    device_budget: int | float | str | None = None
+    host_reserve: int | float | str = "2GiB"
+    directory: str | None = None
+    device_probe: Probe = device_memory
+    host_probe: Probe = host_memory
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        if self.device_budget is not None:
+            parse_bytes(self.device_budget, "tensorstash.Auto", "device_budget")
+        parse_bytes(self.host_reserve, "tensorstash.Auto", "host_reserve")
+
+    def selector(self, ctx: Context) -> Select:
+        """This session's selector (its budget is fixed when first needed)."""
+        selector: Select = ctx.resource(("auto", id(self)), self._make_selector)
+        return selector
+
+    def _make_selector(self) -> Select:
+        budget = (
+            None
+            if self.device_budget is None
+            else parse_bytes(self.device_budget, "tensorstash.Auto", "device_budget")
+        )
+        reserve = parse_bytes(self.host_reserve, "tensorstash.Auto", "host_reserve")
+        offload = Chain(CpuOffload(), Lz4())
+        spill = Chain(CpuOffload(), Lz4(), DiskSpill(self.directory))
+        keep = Keep()
+        limits: dict[str, int] = {}
+
+        def rule(tensor: Tensor, memory: Memory) -> Policy:
+            if "budget" not in limits:
+                limits["budget"] = (
+                    memory.device_free // 2
+                    if budget is None
+                    else _resolve_budget(budget, memory.device_total)
+                )
+                limits["reserve"] = (
+                    _resolve_budget(reserve, host_memory()[1])
+                    if isinstance(reserve, float)
+                    else int(reserve)
+                )
+            nbytes = tensor.numel() * tensor.element_size()
+            if memory.held["kept"] + nbytes <= limits["budget"]:
+                return keep
+            if memory.host_available - nbytes < limits["reserve"]:
+                return spill
+            return offload
+
+        return Select(rule, self.device_probe, self.host_probe, clock=self.clock)
+
+    def choose(self, tensor: Tensor, ctx: Context) -> Policy:
+        return self.selector(ctx).choose(tensor, ctx)
+
+    def pack(self, value: Tensor, ctx: Context) -> Any:
+        return Select.pack(self, value, ctx)  # type: ignore[arg-type]
+
+    def unpack(self, packed: Any, ctx: Context) -> Tensor:
+        return Select.unpack(self, packed, ctx)  # type: ignore[arg-type]

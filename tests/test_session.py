@@ -1,0 +1,195 @@
+"""The session's rules: eligibility, dedupe, arguments, nesting, pause (NOTE [ Session ])."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import tensorstash as ts
+
+
+def hooks_pushed() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+class Doubled(torch.Tensor):
+    """A tensor subclass: policies must leave it untouched."""
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda: torch.randn(64, 64).to_sparse(), "sparse_coo layout"),
+        (lambda: torch.randn(64, 64).to_sparse_csr(), "sparse_csr layout"),
+        (lambda: torch.quantize_per_tensor(torch.randn(64, 64), 0.1, 0, torch.qint8), "quantized"),
+        (lambda: torch.randn(64, 64, dtype=torch.complex64).conj(), "conjugate or negative view"),
+        (lambda: torch.randn(64, 64).as_subclass(Doubled), "tensor subclass"),
+        (lambda: torch.empty(64, 64, device="meta"), "meta device"),
+    ],
+)
+def test_session_keeps_tensors_no_policy_can_handle(make: object, reason: str) -> None:
+    tensor = make()  # type: ignore[operator]
+    session = ts.stash("disk", min_bytes=0)
+    saved = session.pack(tensor)
+    assert session.unpack(saved) is not None
+    assert session.stats.skipped[reason] == 1
+    assert session.stats.to_dict()["tiers"]["disk"]["tensors"] == 0
+
+
+def test_session_keeps_nested_tensors_untouched() -> None:
+    nested = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)])
+    session = ts.stash("lz4", min_bytes=0)
+    assert session.unpack(session.pack(nested)) is not None
+    assert session.stats.skipped["nested tensor"] == 1
+
+
+def test_session_keeps_parameters_and_their_views() -> None:
+    linear = torch.nn.Linear(256, 256)
+    with ts.stash("disk", min_bytes=0) as session:
+        hidden = torch.randn(4, 256, requires_grad=True) * 1
+        linear(hidden).sum().backward()
+    assert session.stats.skipped["parameter"] >= 1
+    assert session.stats.to_dict()["tiers"]["disk"]["tensors"] == 1  # the input only
+
+
+def test_session_keeps_tensors_under_min_bytes() -> None:
+    x = torch.randn(100, requires_grad=True)
+    with ts.stash("disk", min_bytes=1024) as session:
+        (x * 2).sin().sum().backward()
+    assert session.stats.skipped["under min_bytes"] == 1
+    assert session.stats.to_dict()["tiers"]["disk"]["tensors"] == 0
+
+
+def test_session_packs_a_storage_saved_twice_once() -> None:
+    x = torch.randn(256, 256, requires_grad=True)
+    a = torch.randn(256, 256, requires_grad=True)
+    b = torch.randn(256, 256, requires_grad=True)
+
+    def step() -> list[torch.Tensor]:
+        h = x * 2  # saved by both matmuls
+        ((h @ a).sum() + (h @ b).sum()).backward()
+        grads = [t.grad.clone() for t in (x, a, b)]
+        for t in (x, a, b):
+            t.grad = None
+        return grads
+
+    expected = step()
+    with ts.stash("lz4", min_bytes=0) as session:
+        actual = step()
+    assert session.stats.deduplicated == 1
+    assert session.stats.to_dict()["tiers"]["host"]["tensors"] == 1
+    for e, a_ in zip(expected, actual, strict=True):
+        assert torch.equal(e, a_)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"policy": "zip"}, ValueError, "unknown policy name 'zip'"),
+        ({"policy": 3}, TypeError, "policy must be a policy object"),
+        ({"policy": "keep", "min_bytes": -1}, TypeError, "min_bytes must be a non-negative int"),
+        ({"policy": "keep", "min_bytes": 1.5}, TypeError, "min_bytes"),
+        ({"policy": "keep", "workers": 0}, TypeError, "workers must be a positive int"),
+    ],
+)
+def test_stash_rejects_bad_arguments(kwargs: dict[str, object], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        ts.stash(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: ts.Chain(), ValueError, "no stages"),
+        (lambda: ts.Chain(ts.DiskSpill(), ts.Lz4()), ValueError, "out of order"),
+        (lambda: ts.Chain(ts.Lz4(), ts.Lz4()), ValueError, "out of order"),
+        (lambda: ts.Chain(ts.Keep(), ts.DiskSpill()), TypeError, "cannot be a stage"),
+        (lambda: ts.Chain("lz4"), TypeError, "cannot be a stage"),
+        (lambda: ts.Lz4(acceleration=0), ValueError, "acceleration must be >= 1"),
+        (lambda: ts.Lz4(acceleration="fast"), TypeError, "acceleration must be an int"),
+        (lambda: ts.CpuOffload(pin_memory="yes"), TypeError, "pin_memory must be True or False"),
+        (lambda: ts.DiskSpill(directory=3), TypeError, "directory must be a path"),
+        (lambda: ts.DiskSpill(directory="/no/such/dir"), ValueError, "cannot be used"),
+    ],
+)
+def test_policies_reject_bad_arguments(make: object, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        make()  # type: ignore[operator]
+
+
+def test_chain_flattens_nested_chains() -> None:
+    chain = ts.Chain(ts.CpuOffload(), ts.Chain(ts.Lz4(), ts.DiskSpill()))
+    assert [type(s) for s in chain.stages] == [ts.CpuOffload, ts.Lz4, ts.DiskSpill]
+
+
+def test_inner_session_wins_in_its_region() -> None:
+    x = torch.randn(128, 128, requires_grad=True)
+    with ts.stash("disk", min_bytes=0) as outer:
+        a = (x * 2).sin()
+        with ts.stash("keep", min_bytes=0) as inner:
+            b = (x * 3).sin()
+        c = (x * 4).sin()
+    (a + b + c).sum().backward()
+    assert outer.stats.to_dict()["tiers"]["disk"]["tensors"] == 2
+    assert inner.stats.to_dict()["tiers"]["kept"]["tensors"] == 1
+    assert not hooks_pushed()
+
+
+def test_pause_saves_as_plain_autograd_and_restores_the_session() -> None:
+    x = torch.randn(128, 128, requires_grad=True)
+    with ts.stash("disk", min_bytes=0) as session:
+        with ts.pause():
+            assert not hooks_pushed()
+            y = (x * 2).sin()
+        assert hooks_pushed()
+    y.sum().backward()
+    assert session.stats.to_dict()["tiers"]["disk"]["tensors"] == 0
+    assert not hooks_pushed()
+
+
+def test_stash_works_as_a_decorator_more_than_once() -> None:
+    session = ts.stash("lz4", min_bytes=0)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).sin().sum()
+
+    x = torch.randn(64, 64, requires_grad=True)
+    forward(x).backward()
+    forward(x).backward()
+    expected, x.grad = x.grad, None
+    stashed = session(forward)
+    stashed(x).backward()
+    stashed(x).backward()
+    assert torch.equal(x.grad, expected)
+    assert session.stats.to_dict()["tiers"]["host"]["tensors"] == 2
+    assert not hooks_pushed()
+
+
+def test_session_exited_out_of_order_raises() -> None:
+    outer, inner = ts.stash("keep"), ts.stash("keep")
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(RuntimeError, match="out of order"):
+        outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    outer.__exit__(None, None, None)
+    assert not hooks_pushed()
+
+
+def test_stats_table_and_dict_name_every_tier() -> None:
+    x = torch.randn(256, 256, requires_grad=True)
+    with ts.stash("lz4", min_bytes=0) as session:
+        y = (x * 2).relu()
+    y.sum().backward()
+    data = session.stats.to_dict()
+    assert set(data["tiers"]) == {"kept", "host", "disk"}
+    for tier in data["tiers"].values():
+        assert set(tier) == {"tensors", "bytes", "stored_bytes", "live_bytes", "peak_bytes"}
+    table = session.stats.table()
+    for word in ("kept", "host", "disk", "compression"):
+        assert word in table
+    del y
+    gc.collect()
+    assert session.stats.live_bytes == 0
