@@ -100,21 +100,34 @@ def resolve(policy: Policy | str) -> Policy:
 class _Saved:
     """One saved tensor as autograd holds it: the policy, its packed value, a version stamp."""
 
-    __slots__ = ("__weakref__", "packed", "policy", "prefetched", "prev", "source", "version")
+    __slots__ = ("__weakref__", "counter", "packed", "policy", "prefetched", "prev", "version")
 
     def __init__(self, policy: Policy, packed: Any, source: Tensor, prev: _Saved | None) -> None:
         self.policy = policy
         self.packed = packed
         self.version = source._version
-        self.source = weakref.ref(source)
+        self.counter = packed.tensor if isinstance(packed, Held) else _version_counter(source)
         self.prev = None if prev is None else weakref.ref(prev)
         self.prefetched = False
 
     def check_version(self) -> None:
         """Raise as autograd would if the saved tensor changed in place (rule 2)."""
-        source = self.source()
-        if source is not None and source._version != self.version:
-            raise _modified(source, source._version, self.version)
+        now = self.counter._version
+        if now != self.version:
+            raise _modified(self.counter, now, self.version)
+
+
+def _version_counter(tensor: Tensor) -> Tensor:
+    """A tensor that shares ``tensor``'s version counter but none of its memory.
+
+    An alias shares the version counter of every view of its storage; emptying
+    the alias (with the counter's value preserved) drops its hold on the storage,
+    as autograd's own saved variables keep the counter apart from the data.
+    """
+    alias = tensor.detach()
+    with torch.autograd._unsafe_preserve_version_counter(alias):
+        alias.set_()
+    return alias
 
 
 class _Untouched:
@@ -130,7 +143,7 @@ class _Untouched:
 def _modified(tensor: Tensor, now: int, expected: int) -> RuntimeError:
     return RuntimeError(
         "one of the variables needed for gradient computation has been modified by an "
-        f"inplace operation: [{tensor.dtype} {list(tensor.shape)}] is at version {now}; "
+        f"inplace operation: [{tensor.dtype}] is at version {now}; "
         f"expected version {expected} instead. (Checked by tensorstash, since autograd does "
         "not check saved tensors while saved-tensor hooks are active.) Hint: do not modify "
         "a tensor in place after an operation saved it for backward; use an out-of-place "
@@ -352,7 +365,8 @@ def stash(
         TypeError, ValueError: a bad policy or argument, with what to pass instead.
 
     Example:
-        >>> with tensorstash.stash(tensorstash.Chain(tensorstash.Lz4(), tensorstash.DiskSpill())) as s:
+        >>> import tensorstash as ts
+        >>> with ts.stash(ts.Chain(ts.Lz4(), ts.DiskSpill())) as s:
         ...     loss = model(batch).sum()
         >>> loss.backward()
         >>> print(s.stats.table())
