@@ -146,18 +146,21 @@ class SpillDirectory:
         return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
 
     def remove(self, name: str) -> None:
-        try:
-            os.unlink(name, dir_fd=self.fd)
-        except FileNotFoundError:
-            pass
+        with self._lock:
+            if self.fd < 0:
+                return  # closed: the directory and its files are already gone
+            try:
+                os.unlink(name, dir_fd=self.fd)
+            except FileNotFoundError:
+                pass
 
     def close(self) -> None:
         """Remove the directory and everything in it."""
-        shutil.rmtree(self.path, ignore_errors=True)
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
+        with self._lock:
+            shutil.rmtree(self.path, ignore_errors=True)
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
 
 
 _directories: dict[Path, SpillDirectory] = {}

@@ -174,13 +174,19 @@ def _is_parameter(tensor: Tensor) -> bool:
 
 
 def _ineligible(tensor: Tensor, min_bytes: int) -> str | None:
-    """Why a tensor must be kept untouched (rule 1), or None if a policy may take it."""
-    if type(tensor) not in (Tensor, torch.nn.Parameter):
+    """Why a tensor must be kept untouched (rule 1), or None if a policy may take it.
+
+    The checks run cheapest and most common first: this is the hot path of
+    every small saved tensor.
+    """
+    if type(tensor) not in _PLAIN:
         return "tensor subclass"
     if tensor.layout != torch.strided:
         return f"{str(tensor.layout).removeprefix('torch.')} layout"
     if tensor.is_nested:
         return "nested tensor"
+    if tensor.numel() * tensor.element_size() < min_bytes:
+        return "under min_bytes"
     if _WRAPPED is not None and _WRAPPED(tensor):
         return "functorch wrapper"
     if tensor.device.type not in ("cpu", "cuda"):
@@ -191,9 +197,10 @@ def _ineligible(tensor: Tensor, min_bytes: int) -> str | None:
         return "conjugate or negative view"
     if _is_parameter(tensor):
         return "parameter"
-    if nbytes_of(tensor) < min_bytes:
-        return "under min_bytes"
     return None
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 # -- the session --------------------------------------------------------------------------

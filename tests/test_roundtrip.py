@@ -40,9 +40,7 @@ POLICIES = {
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
     """The raw bytes of a tensor's elements in row-major order (NaN payloads, -0.0 included)."""
-    flat = tensor.contiguous().reshape(-1)
-    if flat.dtype == torch.bool:
-        return flat.view(torch.uint8)
+    flat = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor).reshape(-1)
     return flat.view(torch.uint8) if flat.numel() else flat.to(torch.uint8)
 
 

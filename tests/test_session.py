@@ -76,10 +76,10 @@ def test_session_packs_a_storage_saved_twice_once() -> None:
         return grads
 
     expected = step()
-    with ts.stash("lz4", min_bytes=0) as session:
+    with ts.stash("disk", min_bytes=0) as session:
         actual = step()
     assert session.stats.deduplicated == 1
-    assert session.stats.to_dict()["tiers"]["host"]["tensors"] == 1
+    assert session.stats.to_dict()["tiers"]["disk"]["tensors"] == 1
     for e, a_ in zip(expected, actual, strict=True):
         assert torch.equal(e, a_)
 
@@ -150,7 +150,7 @@ def test_pause_saves_as_plain_autograd_and_restores_the_session() -> None:
 
 
 def test_stash_works_as_a_decorator_more_than_once() -> None:
-    session = ts.stash("lz4", min_bytes=0)
+    session = ts.stash("disk", min_bytes=0)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return (x * 2).sin().sum()
@@ -163,7 +163,7 @@ def test_stash_works_as_a_decorator_more_than_once() -> None:
     stashed(x).backward()
     stashed(x).backward()
     assert torch.equal(x.grad, expected)
-    assert session.stats.to_dict()["tiers"]["host"]["tensors"] == 2
+    assert session.stats.to_dict()["tiers"]["disk"]["tensors"] == 2
     assert not hooks_pushed()
 
 
