@@ -1,0 +1,110 @@
+"""CpuOffload: CPU tensors are kept; the pinned pool reuses buffers only once copies finish."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tensorstash as ts
+from tensorstash.cpu import PinnedPool
+
+
+class FakeEvent:
+    """An event whose completion the test controls."""
+
+    def __init__(self, done: bool = False) -> None:
+        self.done = done
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = True
+        self.done = True
+
+
+def make_pool(max_cached: int = 1 << 20) -> tuple[PinnedPool, list[int]]:
+    made: list[int] = []
+
+    def allocate(n: int) -> torch.Tensor:
+        made.append(n)
+        return torch.empty(n, dtype=torch.uint8)
+
+    return PinnedPool(allocate, max_cached), made
+
+
+def test_pinned_pool_reuses_a_buffer_of_the_exact_size() -> None:
+    pool, made = make_pool()
+    first = pool.take(1000)
+    pool.give(first, None)
+    assert pool.take(1000) is first
+    assert pool.take(1001) is not first  # no rounding: other sizes get their own buffer
+    assert made == [1000, 1001]
+
+
+def test_pinned_pool_waits_for_the_last_copy_before_reuse() -> None:
+    pool, _ = make_pool()
+    buffer = pool.take(4096)
+    copy = FakeEvent(done=False)
+    pool.give(buffer, copy)
+    assert pool.take(4096) is not buffer  # a copy still reads it
+    copy.done = True
+    assert pool.take(4096) is buffer
+
+
+def test_pinned_pool_caches_at_most_max_cached_bytes() -> None:
+    pool, _ = make_pool(max_cached=1500)
+    a, b = pool.take(1000), pool.take(1000)
+    pool.give(a, None)
+    pool.give(b, None)
+    assert pool.cached_bytes == 1000
+
+
+def test_pinned_pool_close_waits_for_pending_copies() -> None:
+    pool, _ = make_pool()
+    copy = FakeEvent()
+    pool.give(pool.take(10), copy)
+    pool.close()
+    assert copy.waited and pool.cached_bytes == 0
+
+
+def test_cpu_offload_keeps_cpu_tensors_and_says_so() -> None:
+    x = torch.randn(256, 256, requires_grad=True)
+    with ts.stash(ts.CpuOffload(), min_bytes=0) as session:
+        y = (x * 2).sin()
+    y.sum().backward()
+    assert session.stats.fallbacks["already on host"] == 1
+    assert session.stats.to_dict()["tiers"]["kept"]["tensors"] == 1
+    assert torch.equal(x.grad, 2 * (x * 2).cos())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "policy",
+    [ts.CpuOffload(), ts.CpuOffload(pin_memory=False), ts.Chain(ts.CpuOffload(), ts.Lz4())],
+    ids=["pinned", "unpinned", "cpu+lz4"],
+)
+def test_cpu_offload_cuda_gradients_are_bitwise(policy: object) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 512)
+    ).cuda()
+    x = torch.randn(512, 512, device="cuda", requires_grad=True)
+
+    def step() -> list[torch.Tensor]:
+        model.zero_grad()
+        x.grad = None
+        model(x).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+    expected = step()
+    with ts.stash(policy, min_bytes=0) as session:  # type: ignore[arg-type]
+        loss = model(x).square().sum()
+    model.zero_grad()
+    x.grad = None
+    loss.backward()
+    actual = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    assert session.stats.to_dict()["tiers"]["host"]["tensors"] >= 1
+    for e, a in zip(expected, actual, strict=True):
+        assert torch.equal(e, a)

@@ -1,0 +1,23 @@
+"""Every example runs as a user would run it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_runs(path: Path, tmp_path: Path) -> None:
+    args = [str(tmp_path)] if path.stem == "compress_then_spill" else []
+    result = subprocess.run(
+        [sys.executable, str(path), *args], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "tier" in result.stdout
+    if path.stem == "compress_then_spill":
+        assert [p for d in tmp_path.iterdir() for p in d.iterdir()] == []  # files removed
