@@ -10,8 +10,9 @@ must have the size and stride it was saved with, not only the same values.
    (dense tensors, channels_last, transposes, stride-0 broadcasts).
 2. Otherwise (a narrow slice of a wide tensor) the elements are saved compactly
    in row-major order and scattered back into a span-sized buffer on restore.
-3. Restored tensors start at storage offset 0 of a fresh storage; only size,
-   stride, dtype and values are promised, as autograd requires.
+3. Only size, stride, dtype and values are promised, as autograd requires:
+   a restored tensor may start anywhere in a fresh storage or alias the
+   bytes it was given.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class Layout:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def span_of(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
@@ -128,7 +129,9 @@ def rebuild(layout: Layout, payload: Tensor) -> Tensor:
         )
     values = payload.view(layout.dtype) if layout.nbytes else _empty(layout, payload.device)
     if not layout.compact:
-        return values.as_strided(layout.shape, layout.stride, 0)
+        # as_strided's offset is absolute in the storage: the payload may be a
+        # view into a larger one (bytes left in place by Lz4's raw path).
+        return values.as_strided(layout.shape, layout.stride, values.storage_offset())
     out = torch.empty(layout.span, dtype=layout.dtype, device=payload.device)
     out = out.as_strided(layout.shape, layout.stride, 0)
     out.copy_(values.view(layout.shape))

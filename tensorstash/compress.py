@@ -4,11 +4,13 @@
 1. A sampled trial (``_codec.choose``) picks, per tensor, the encoding that pays:
    bit-packed bools, a zero bitmap for mostly-zero data (ReLU outputs, dropout
    masks), byte-shuffled floats, plain lz4, or nothing ("raw").
-2. "raw" never copies a host tensor: it stays where it is (tier "kept",
-   counted in ``stats.fallbacks["incompressible"]``).
-3. Compression runs on the session's worker threads while forward goes on.
-   The packed value keeps the source bytes alive until its compression is
-   done; then its stored size drops to the compressed size in the stats.
+2. "raw" never copies: the bytes stay where they are (a CPU tensor's own
+   storage, tier "kept"; host bytes copied from a device, tier "host"),
+   counted in ``stats.fallbacks["incompressible"]``.
+3. The trial and the compression run on the session's worker threads while
+   forward goes on: pack itself only describes the tensor and submits. The
+   packed value keeps the source bytes alive until its compression is done;
+   then its tier and stored size are updated in the stats.
 4. Back-pressure: when more than ``max_pending_bytes`` wait to be compressed,
    pack waits for the oldest (counted as wait time) so memory stays bounded.
 """
@@ -28,15 +30,15 @@ from tensorstash import _codec
 from tensorstash._layout import Layout
 from tensorstash.policy import (
     Context,
-    Held,
-    HostBytes,
     Packed,
     Pending,
     Returns,
     bug,
+    device_of,
     from_host,
     to_host,
 )
+from tensorstash.stats import Tier
 
 
 @dataclass(eq=False, slots=True, weakref_slot=True)
@@ -69,12 +71,27 @@ class Compressed(Packed):
         return self.future.result()
 
 
-def _finished(ref: weakref.ref[Compressed], ctx: Context, future: Future[_codec.Encoded]) -> None:
+def _compress(payload: Tensor, dtype: torch.dtype, acceleration: int) -> _codec.Encoded:
+    """A worker's job: the sampled trial, then the encoding it chose (rule 1)."""
+    method = _codec.choose(payload, dtype)
+    if method == "raw":  # rule 2: no copy; the payload view keeps the bytes alive
+        return _codec.Encoded("raw", payload.numel(), (payload,))
+    return _codec.encode(payload, dtype, method, acceleration=acceleration)
+
+
+def _finished(
+    ref: weakref.ref[Compressed], ctx: Context, future: Future[_codec.Encoded], raw_tier: Tier
+) -> None:
     packed = ref()
     if packed is None or future.exception() is not None:
         return
     packed.source = None
-    ctx.update(packed, "host", future.result().stored_bytes)
+    encoded = future.result()
+    if encoded.method == "raw":
+        ctx.stats.fallback("incompressible")
+        ctx.update(packed, raw_tier, encoded.nbytes)
+    else:
+        ctx.update(packed, "host", encoded.stored_bytes)
 
 
 @dataclass(frozen=True)
@@ -112,7 +129,8 @@ class Lz4:
                 raise ValueError(f"tensorstash.Lz4: {name} must be >= {low}; got {value}")
         if self.acceleration > 65537:
             raise ValueError(
-                f"tensorstash.Lz4: acceleration must be between 1 and 65537; got {self.acceleration}"
+                "tensorstash.Lz4: acceleration must be between 1 and 65537; "
+                f"got {self.acceleration}"
             )
 
     def pack(self, value: Tensor | Packed, ctx: Context) -> Packed:
@@ -120,33 +138,23 @@ class Lz4:
         layout, payload = host.layout, host.ready()
         if layout is None:
             raise bug("HostBytes without a layout")
-        method = _codec.choose(payload, layout.dtype)
-        if method == "raw" and (isinstance(value, Packed) or value.device.type == "cpu"):
-            return self._raw(value, host, ctx)
         pending: Pending = ctx.resource("lz4-pending", Pending)
         pending.wait_under(self.max_pending_bytes, ctx)
-        future = ctx.pool().submit(
-            _codec.encode, payload, layout.dtype, method, acceleration=self.acceleration
-        )
+        future = ctx.pool().submit(_compress, payload, layout.dtype, self.acceleration)
+        # Rule 2: bytes left raw stay where they were: in the tensor's own
+        # storage for a CPU tensor, in host memory for anything copied there.
+        raw_tier: Tier = "kept" if device_of(value).type == "cpu" and kind != "host" else "host"
         packed = Compressed(
             "host", host.nbytes, layout.nbytes, layout, kind, future=future, source=payload
         )
         pending.add(future, layout.nbytes)
         ref = weakref.ref(packed)
-        future.add_done_callback(lambda done: _finished(ref, ctx, done))
+        future.add_done_callback(lambda done: _finished(ref, ctx, done, raw_tier))
         return packed
-
-    @staticmethod
-    def _raw(value: Tensor | Packed, host: HostBytes, ctx: Context) -> Packed:
-        """Rule 2 of NOTE [ Compression ]: incompressible host bytes stay where they are."""
-        ctx.stats.fallback("incompressible")
-        if isinstance(value, Packed):
-            return value
-        return Held("kept", host.nbytes, host.nbytes, value.detach())
 
     def unpack(self, packed: Packed, ctx: Context) -> Tensor | Packed:
         if not isinstance(packed, Compressed):
-            return packed  # left as it was by rule 2 of NOTE [ Compression ]
+            raise bug(f"Lz4 cannot unpack {type(packed).__name__}")
         restored = packed.restored
         packed.restored = None
         if restored is not None:
@@ -167,6 +175,9 @@ class Lz4:
 
 
 def _decode(encoded: _codec.Encoded, pool: Any) -> Tensor:
+    part = encoded.parts[0] if encoded.parts else None
+    if encoded.method == "raw" and isinstance(part, Tensor):
+        return part  # the bytes as they were (rule 2): no copy
     out = torch.empty(encoded.nbytes, dtype=torch.uint8)
     _codec.decode(encoded, out, pool=pool)
     return out

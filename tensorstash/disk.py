@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import errno
 import os
@@ -149,10 +150,8 @@ class SpillDirectory:
         with self._lock:
             if self.fd < 0:
                 return  # closed: the directory and its files are already gone
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=self.fd)
-            except FileNotFoundError:
-                pass
 
     def close(self) -> None:
         """Remove the directory and everything in it."""
@@ -194,6 +193,7 @@ class _Hole:
 
     index: int
     nbytes: int
+    tensor: bool = False
 
 
 _BYTES = (bytes, bytearray, memoryview)
@@ -207,7 +207,7 @@ def _flatten(value: Any, buffers: list[memoryview]) -> Any:
         return _Hole(len(buffers) - 1, view.nbytes)
     if isinstance(value, Tensor):
         buffers.append(memory(value.contiguous().view(torch.uint8).reshape(-1)))
-        return _Hole(len(buffers) - 1, buffers[-1].nbytes)
+        return _Hole(len(buffers) - 1, buffers[-1].nbytes, tensor=True)
     if isinstance(value, (tuple, list)):
         return type(value)(_flatten(item, buffers) for item in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -220,11 +220,12 @@ def _flatten(value: Any, buffers: list[memoryview]) -> Any:
     return value
 
 
-def _fill(skeleton: Any, data: memoryview, offsets: list[int]) -> Any:
+def _fill(skeleton: Any, data: Tensor, offsets: list[int]) -> Any:
     """The inverse of :func:`_flatten`: holes become slices of the bytes read back."""
     if isinstance(skeleton, _Hole):
         start = offsets[skeleton.index]
-        return data[start : start + skeleton.nbytes]
+        piece = data[start : start + skeleton.nbytes]
+        return piece if skeleton.tensor else memory(piece)
     if isinstance(skeleton, (tuple, list)):
         return type(skeleton)(_fill(item, data, offsets) for item in skeleton)
     if dataclasses.is_dataclass(skeleton) and not isinstance(skeleton, type):
@@ -368,7 +369,7 @@ class DiskSpill:
 def _write(
     ref: weakref.ref[Spilled], ctx: Context, directory: SpillDirectory, name: str, source: Any
 ) -> tuple[int, int] | None:
-    """The writer's job (rule 3): write, checksum, release the bytes, or keep them on a full disk."""
+    """The writer's job (rule 3): write and checksum, or keep the bytes on a full disk."""
     packed = ref()
     if packed is None:
         return None  # freed before it was written: nothing to keep
@@ -391,9 +392,9 @@ def _write(
         directory.remove(name)
         ctx.stats.fallback("disk full")
         ctx.warn(
-            f"tensorstash.DiskSpill: the disk holding '{directory.path}' is full ({error.strerror}); "
-            "keeping the tensor in memory instead. Free space or pass DiskSpill(directory=...) "
-            "on a larger disk."
+            f"tensorstash.DiskSpill: the disk holding '{directory.path}' is full "
+            f"({error.strerror}); keeping the tensor in memory instead. Free space or pass "
+            "DiskSpill(directory=...) on a larger disk."
         )
         if inner is not None:
             packed.source = encoded
@@ -471,7 +472,7 @@ def _rebuild(packed: Spilled, data: Any) -> Tensor | Packed:
         return from_host(packed.layout, data, packed.kind)
     if isinstance(packed.inner, tuple):
         compressed, skeleton = packed.inner
-        encoded = _fill(skeleton, memory(data), _offsets(skeleton))
+        encoded = _fill(skeleton, data, _offsets(skeleton))
         return _with_encoded(compressed, encoded, data)
     if packed.inner is not None:  # full disk: `data` is the encoded value itself
         return _with_encoded(packed.inner, data, None)

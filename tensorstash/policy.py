@@ -128,6 +128,16 @@ def from_host(layout: Layout, payload: Tensor, kind: Returns) -> Tensor | Packed
     return tensor
 
 
+def _one_torch_thread() -> None:
+    """Run torch ops on a worker thread without an intra-op thread team of their own.
+
+    The forward pass already uses every core; a worker's torch ops (shuffles,
+    bitmaps) would otherwise start OpenMP teams that spin against it. The
+    setting is per thread: the caller's thread count is unchanged.
+    """
+    torch.set_num_threads(1)
+
+
 # -- the context a session hands to policies -------------------------------------
 
 
@@ -159,14 +169,18 @@ class Context:
         """Threads for compression and reads (lz4 and file I/O release the GIL)."""
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._workers, "tensorstash-worker")
+                self._pool = ThreadPoolExecutor(
+                    self._workers, "tensorstash-worker", initializer=_one_torch_thread
+                )
             return self._pool
 
     def writer(self) -> Executor:
         """One thread that writes spill files in the order they were packed."""
         with self._lock:
             if self._writer is None:
-                self._writer = ThreadPoolExecutor(1, "tensorstash-writer")
+                self._writer = ThreadPoolExecutor(
+                    1, "tensorstash-writer", initializer=_one_torch_thread
+                )
             return self._writer
 
     def resource(self, key: Any, make: Any) -> Any:

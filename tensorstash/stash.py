@@ -106,7 +106,8 @@ class _Saved:
         self.policy = policy
         self.packed = packed
         self.version = source._version
-        self.counter = packed.tensor if isinstance(packed, Held) else _version_counter(source)
+        held = packed.tensor if isinstance(packed, Held) else None
+        self.counter = held if held is not None else _version_counter(source)
         self.prev = None if prev is None else weakref.ref(prev)
         self.prefetched = False
 
@@ -126,7 +127,7 @@ def _version_counter(tensor: Tensor) -> Tensor:
     """
     alias = tensor.detach()
     with torch.autograd._unsafe_preserve_version_counter(alias):
-        alias.set_()
+        alias.set_()  # type: ignore[call-overload]
     return alias
 
 
