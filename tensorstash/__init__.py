@@ -13,6 +13,7 @@ from tensorstash.compress import Lz4
 from tensorstash.cpu import CpuOffload
 from tensorstash.disk import DiskSpill, SpillError
 from tensorstash.policy import Chain, Context, Keep, Packed, Policy
+from tensorstash.recompute import recompute, recompute_modules, unrecompute
 from tensorstash.stash import Session, pause, stash
 from tensorstash.stats import StashStats
 
@@ -32,7 +33,10 @@ __all__ = [
     "SpillError",
     "StashStats",
     "pause",
+    "recompute",
+    "recompute_modules",
     "stash",
+    "unrecompute",
 ]
 
 __version__ = "0.1.0.dev0"

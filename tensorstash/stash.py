@@ -231,6 +231,14 @@ class Session(contextlib.ContextDecorator):
     # Context manager ---------------------------------------------------------------
 
     def __enter__(self) -> Session:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint":
+            raise RuntimeError(
+                "tensorstash.stash: cannot open a stash inside a recomputed (checkpointed) "
+                "region: it would take the tensors the region recomputes. Open the stash "
+                "around the model instead; the region's inputs go through it (see "
+                "NOTE [ Recompute ] in tensorstash/recompute.py)"
+            )
         torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
         _active().append(self)
         self._ctx.opened()
