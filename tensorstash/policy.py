@@ -21,6 +21,7 @@ that owns its resources. Policies compose as stages of a :class:`Chain`:
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import warnings
@@ -364,7 +365,7 @@ class Chain:
                     "stash() directly)"
                 )
         ranks = [stage.stage_rank for stage in flat]
-        if any(a >= b for a, b in zip(ranks, ranks[1:], strict=False)):
+        if any(a >= b for a, b in itertools.pairwise(ranks)):
             names = ", ".join(type(stage).__name__ for stage in flat)
             raise ValueError(
                 f"tensorstash.Chain: stages ({names}) are out of order; each stage must move "
