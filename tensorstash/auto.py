@@ -59,6 +59,7 @@ def host_memory(device: torch.device | None = None) -> tuple[int, int]:
 
 
 Rule = Callable[[Tensor, Memory], Any]
+"""``rule(tensor, memory) -> policy`` or ``(policy, reason)``; a policy object or name."""
 
 
 @dataclass(frozen=True)
@@ -109,10 +110,13 @@ class Select:
             found = self._cache[key] = (now, probe(device))
         return found[1]
 
-    def choose(self, tensor: Tensor, ctx: Context) -> Policy:
+    def choose(self, tensor: Tensor, ctx: Context) -> tuple[Policy, str | None]:
+        """The rule's policy for ``tensor``, and its reason when the rule gives one."""
         from tensorstash.stash import resolve
 
-        return resolve(self.rule(tensor, self.memory(tensor, ctx)))
+        choice = self.rule(tensor, self.memory(tensor, ctx))
+        policy, reason = choice if isinstance(choice, tuple) else (choice, None)
+        return resolve(policy), reason
 
     def pack(self, value: Tensor, ctx: Context) -> Any:
         raise TypeError(
@@ -215,7 +219,7 @@ class Auto:
         keep = Keep()
         limits: dict[str, int] = {}
 
-        def rule(tensor: Tensor, memory: Memory) -> Policy:
+        def rule(tensor: Tensor, memory: Memory) -> tuple[Policy, str]:
             if "budget" not in limits:
                 limits["budget"] = (
                     memory.device_free // 2
@@ -229,14 +233,14 @@ class Auto:
                 )
             nbytes = tensor.numel() * tensor.element_size()
             if memory.held["kept"] + nbytes <= limits["budget"]:
-                return keep
+                return keep, "under device budget"
             if memory.host_available - nbytes < limits["reserve"]:
-                return spill
-            return offload
+                return spill, "host memory low"
+            return offload, "device budget reached"
 
         return Select(rule, self.device_probe, self.host_probe, clock=self.clock)
 
-    def choose(self, tensor: Tensor, ctx: Context) -> Policy:
+    def choose(self, tensor: Tensor, ctx: Context) -> tuple[Policy, str | None]:
         return self.selector(ctx).choose(tensor, ctx)
 
     def pack(self, value: Tensor, ctx: Context) -> Any:

@@ -89,9 +89,12 @@ def _finished(
     encoded = future.result()
     if encoded.method == "raw":
         ctx.stats.fallback("incompressible")
-        ctx.update(packed, raw_tier, encoded.nbytes)
+        ctx.update(packed, raw_tier, encoded.nbytes, "incompressible: left as it was")
     else:
-        ctx.update(packed, "host", encoded.stored_bytes)
+        ratio = encoded.nbytes / max(encoded.stored_bytes, 1)
+        ctx.update(
+            packed, "host", encoded.stored_bytes, f"compressible {ratio:.1f}x ({encoded.method})"
+        )
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ from tensorstash.policy import (
     from_host,
     to_host,
 )
+from tensorstash.stats import Tier
 
 _PREFIX = "tensorstash-"
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -267,7 +268,8 @@ class Spilled(Packed):
     prefetched: Future[Tensor] | None = None
 
     def describe(self) -> str:
-        layout = self.layout or getattr(self.inner, "layout", None)
+        inner = self.inner[0] if isinstance(self.inner, tuple) else self.inner
+        layout = self.layout or getattr(inner, "layout", None)
         what = f"{layout.dtype} tensor of shape {list(layout.shape)}" if layout else "a tensor"
         path = self.directory.path / self.name if self.directory else self.name
         return f"{what} (spill file '{path}')"
@@ -399,12 +401,16 @@ def _write(
         if inner is not None:
             packed.source = encoded
             packed.inner = inner
-        ctx.update(packed, "host" if inner is not None else "kept", sum(b.nbytes for b in buffers))
+        tier: Tier = "host" if inner is not None else "kept"
+        ctx.update(packed, tier, sum(b.nbytes for b in buffers), "disk full: kept in memory")
         return None
     packed.source = None
+    reason = "spilled"
     if skeleton is not None:
         packed.inner = (packed.inner, skeleton)
-    ctx.update(packed, "disk", size)
+        if size < packed.nbytes:
+            reason = f"spilled, compressible {packed.nbytes / max(size, 1):.1f}x"
+    ctx.update(packed, "disk", size, reason)
     return size, crc
 
 

@@ -56,12 +56,14 @@ class Packed:
         stored_bytes: bytes held in ``tier`` for it (after compression).
         accounted: whether the session counts it in the stats (see
             :meth:`Context.account`).
+        row: its row of the session's decision log, kept current, when recording.
     """
 
     tier: Tier
     nbytes: int
     stored_bytes: int
     accounted: bool = field(default=False, init=False)
+    row: dict[str, Any] | None = field(default=None, init=False)
 
 
 @dataclass(eq=False, slots=True, weakref_slot=True)
@@ -215,13 +217,26 @@ class Context:
             self._live += 1
             self.stats.add(packed.tier, packed.nbytes, packed.stored_bytes)
 
-    def update(self, packed: Packed, tier: Tier, stored: int) -> None:
-        """A packed value's bytes moved to ``tier`` and now take ``stored`` bytes."""
+    def attach_row(self, packed: Packed, row: dict[str, Any]) -> None:
+        """Keep ``row`` of the decision log current with ``packed`` (see :meth:`update`)."""
+        with self._lock:
+            packed.row = row
+            row.update(tier=packed.tier, stored_bytes=packed.stored_bytes)
+
+    def update(self, packed: Packed, tier: Tier, stored: int, reason: str | None = None) -> None:
+        """A packed value's bytes moved to ``tier`` and now take ``stored`` bytes.
+
+        ``reason`` (when given) is added to the decision log's reason for it.
+        """
         with self._lock:
             old = (packed.tier, packed.nbytes, packed.stored_bytes)
             packed.tier, packed.stored_bytes = tier, stored
             if packed.accounted:
                 self.stats.move(old, (tier, packed.nbytes, stored))
+            if packed.row is not None:
+                packed.row.update(tier=tier, stored_bytes=stored)
+                if reason is not None:
+                    packed.row["reason"] = f"{packed.row['reason']}; {reason}"
 
     def release(self, packed: Packed) -> None:
         """A packed value was freed: forget its live bytes."""

@@ -5,7 +5,9 @@ Every tensor autograd saves inside ``with stash(policy):`` reaches
 :meth:`Session.pack`; backward hands back what pack returned to
 :meth:`Session.unpack`. Around any policy the session applies these rules:
 
-1. Eligibility. Parameters (and views or casts of them), tensors under
+1. Eligibility. Parameters (and views or casts of them), module buffers
+   (see _modules.py: BatchNorm changes its saved running statistics in
+   place without bumping their version), tensors under
    ``min_bytes``, and tensors no policy can handle (sparse, nested, meta,
    quantized, conjugate or negative views, functorch wrappers, subclasses such
    as fake tensors) are kept untouched and counted in ``stats.skipped``.
@@ -36,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tensorstash import _modules
 from tensorstash.policy import Context, Held, Keep, Packed, Policy, bug, nbytes_of
 from tensorstash.stats import StashStats
 
@@ -198,6 +201,8 @@ def _ineligible(tensor: Tensor, min_bytes: int) -> str | None:
         return "conjugate or negative view"
     if _is_parameter(tensor):
         return "parameter"
+    if _modules.is_state(tensor.untyped_storage()):
+        return "buffer"
     return None
 
 
@@ -216,9 +221,10 @@ class Session(contextlib.ContextDecorator):
         stats: what the session did (:class:`~tensorstash.StashStats`).
     """
 
-    def __init__(self, policy: Policy, *, min_bytes: int, workers: int) -> None:
+    def __init__(self, policy: Policy, *, min_bytes: int, workers: int, record: bool) -> None:
         self.policy = policy
         self.min_bytes = min_bytes
+        self.record = record
         self.stats = StashStats()
         self._ctx = Context(self.stats, workers=workers)
         self._last: weakref.ref[_Saved] | None = None
@@ -242,6 +248,7 @@ class Session(contextlib.ContextDecorator):
         torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
         _active().append(self)
         self._ctx.opened()
+        _modules.track()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -259,6 +266,7 @@ class Session(contextlib.ContextDecorator):
             )
         torch._C._autograd._pop_saved_tensors_default_hooks()
         active.pop()
+        _modules.untrack()
         self._ctx.closed()
         self._ctx.flush_warnings()
 
@@ -270,6 +278,8 @@ class Session(contextlib.ContextDecorator):
         reason = _ineligible(tensor, self.min_bytes)
         if reason is not None:
             self.stats.skip(reason, nbytes_of(tensor))
+            if self.record:
+                self._log(tensor, "kept", nbytes_of(tensor), reason)
             return _Untouched(tensor)
         key, storage = self._dedupe_key(tensor)
         found = self._dedupe.get(key)
@@ -277,12 +287,17 @@ class Session(contextlib.ContextDecorator):
             saved = found[1]()
             if saved is not None:
                 self.stats.count_dedupe()
+                if self.record:
+                    self._log(tensor, getattr(saved.packed, "tier", "kept"), 0, "deduplicated")
                 return saved
-        policy = self.policy
+        policy, reason = self.policy, None
         choose = getattr(policy, "choose", None)
         if choose is not None:  # a selector: NOTE [ Selection ] in auto.py
-            policy = choose(tensor, self._ctx)
+            policy, reason = choose(tensor, self._ctx)
         packed = policy.pack(tensor, self._ctx)
+        if self.record and isinstance(packed, Packed):
+            why = reason or f"policy {type(policy).__name__}"
+            self._ctx.attach_row(packed, self._log(tensor, packed.tier, packed.stored_bytes, why))
         saved = _Saved(policy, packed, tensor, None if self._last is None else self._last())
         self._remember(saved, key, storage)
         self.stats.timed("pack", time.perf_counter() - start)
@@ -309,7 +324,33 @@ class Session(contextlib.ContextDecorator):
         self._ctx.flush_warnings()
         return tensor
 
+    @property
+    def decisions(self) -> list[dict[str, Any]]:
+        """The decision log (``record=True``): one row per saved tensor, in pack order.
+
+        Each row has ``module`` (path of the module that saved it), ``op`` (the
+        operation that produced it), ``shape``, ``dtype``, ``bytes``, ``tier``,
+        ``stored_bytes`` and ``reason``; tier and stored bytes are updated as
+        background compression and writes finish.
+        """
+        return self.stats.decisions
+
     # Internals -------------------------------------------------------------------------
+
+    def _log(self, tensor: Tensor, tier: str, stored: int, reason: str) -> dict[str, Any]:
+        grad_fn = tensor.grad_fn
+        row = {
+            "module": _modules.current(),
+            "op": type(grad_fn).__name__ if grad_fn is not None else None,
+            "shape": list(tensor.shape),
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+            "bytes": nbytes_of(tensor),
+            "tier": tier,
+            "stored_bytes": stored,
+            "reason": reason,
+        }
+        self.stats.log(row)
+        return row
 
     @staticmethod
     def _dedupe_key(tensor: Tensor) -> tuple[tuple[Any, ...], Any]:
@@ -359,6 +400,7 @@ def stash(
     *,
     min_bytes: int = DEFAULT_MIN_BYTES,
     workers: int = 2,
+    record: bool = False,
 ) -> Session:
     """Move the tensors autograd saves for backward out of the way.
 
@@ -372,6 +414,9 @@ def stash(
             "keep", "cpu", "lz4", "disk", "auto".
         min_bytes: tensors smaller than this many bytes are kept as they are.
         workers: threads for compression and reads.
+        record: keep a decision log, one row per saved tensor (module, shape,
+            dtype, bytes, tier, stored bytes, reason): ``session.decisions``
+            and ``stats.to_dict()["decisions"]``.
 
     Returns:
         A :class:`Session`: a context manager and a decorator; ``session.stats``
@@ -397,7 +442,9 @@ def stash(
         )
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise TypeError(f"tensorstash.stash: workers must be a positive int; got {workers!r}")
-    return Session(resolve(policy), min_bytes=min_bytes, workers=workers)
+    if not isinstance(record, bool):
+        raise TypeError(f"tensorstash.stash: record must be True or False; got {record!r}")
+    return Session(resolve(policy), min_bytes=min_bytes, workers=workers, record=record)
 
 
 @contextlib.contextmanager

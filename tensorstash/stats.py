@@ -57,6 +57,7 @@ class StashStats:
     fallbacks: Counter[str] = field(default_factory=Counter)
     deduplicated: int = 0
     unpacks: int = 0
+    decisions: list[dict[str, Any]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # -- updates (called by the session and by policies) ------------------------
@@ -117,6 +118,11 @@ class StashStats:
             else:
                 self.wait_seconds += seconds
 
+    def log(self, row: dict[str, Any]) -> None:
+        """Append a row to the decision log (``stash(..., record=True)``)."""
+        with self._lock:
+            self.decisions.append(row)
+
     def count_dedupe(self) -> None:
         with self._lock:
             self.deduplicated += 1
@@ -158,6 +164,7 @@ class StashStats:
                 "deduplicated": self.deduplicated,
                 "skipped": dict(self.skipped),
                 "fallbacks": dict(self.fallbacks),
+                "decisions": [dict(row) for row in self.decisions],
             }
 
     def _ratio_unlocked(self) -> float:
@@ -165,8 +172,16 @@ class StashStats:
         stored = sum(t.stored_bytes for t in moved)
         return sum(t.bytes for t in moved) / stored if stored else 1.0
 
-    def table(self) -> str:
-        """A plain-text table for people: one row per tier, then times and reasons."""
+    def table(self, by: Literal["tier", "module"] = "tier") -> str:
+        """A plain-text table for people.
+
+        Args:
+            by: "tier": one row per tier, then times and reasons; "module": one
+                row per module of the decision log (``stash(..., record=True)``)
+                with its bytes per tier.
+        """
+        if by == "module":
+            return self._module_table()
         data = self.to_dict()
         header = (
             f"{'tier':<6} {'tensors':>8} {'bytes':>11} {'stored':>11} {'live':>11} {'peak':>11}"
@@ -190,6 +205,25 @@ class StashStats:
             if reasons:
                 text = ", ".join(f"{why}: {n}" for why, n in sorted(reasons.items()))
                 lines.append(f"{title}: {text}")
+        return "\n".join(lines)
+
+    def _module_table(self) -> str:
+        with self._lock:
+            rows = [dict(row) for row in self.decisions]
+        if not rows:
+            return "no decisions recorded: open the stash with record=True"
+        per: dict[str, dict[str, int]] = {}
+        for row in rows:
+            sums = per.setdefault(row["module"] or "(no module)", dict.fromkeys(TIERS, 0))
+            sums[row["tier"]] += row["bytes"] if row["reason"] != "deduplicated" else 0
+            sums.setdefault("tensors", 0)
+            sums["tensors"] += 1
+        width = max(len("module"), *(len(name) for name in per))
+        header = f"{'module':<{width}} {'tensors':>8} {'kept':>11} {'host':>11} {'disk':>11}"
+        lines = [header, "-" * len(header)]
+        for name, sums in per.items():
+            cells = " ".join(f"{human_bytes(sums[t]):>11}" for t in TIERS)
+            lines.append(f"{name:<{width}} {sums['tensors']:>8} {cells}")
         return "\n".join(lines)
 
 

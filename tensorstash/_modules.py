@@ -1,0 +1,89 @@
+"""What modules run inside a stash: their paths, parameters and buffers.
+
+Global module hooks are registered while any session is open. They do two
+things:
+
+1. Keep this thread's stack of running modules, for the decision log. A module
+   first seen at the top of the stack is a root: its submodules are named by
+   their paths in it (``blocks.0.attn``), the root by its class name.
+2. Remember (weakly) the storages of the parameters and buffers of every module
+   that runs, so the session keeps them untouched. Buffers matter: BatchNorm
+   saves its running statistics for backward and then updates them in place
+   within the same operation, without bumping their version.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+from torch import nn
+from torch.nn.modules import module as module_hooks
+from torch.utils.hooks import RemovableHandle
+
+_local = threading.local()
+_names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+_users = 0
+_handles: list[RemovableHandle] = []
+_state: weakref.WeakSet[Any] = weakref.WeakSet()  # storages of parameters and buffers
+
+
+def _stack() -> list[nn.Module]:
+    stack: list[nn.Module] | None = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def _enter(module: nn.Module, args: Any) -> None:
+    # Every call, not once per module: wrappers such as FSDP swap parameters in.
+    for tensor in (*module._parameters.values(), *module._buffers.values()):
+        if tensor is not None:
+            _state.add(tensor.untyped_storage())
+    stack = _stack()
+    if module not in _names:
+        if stack:
+            _names[module] = f"{current()}.<{type(module).__name__}>"
+        else:
+            for name, child in module.named_modules():
+                _names.setdefault(child, name or type(module).__name__)
+    stack.append(module)
+
+
+def _leave(module: nn.Module, args: Any, output: Any) -> None:
+    stack = _stack()
+    if stack and stack[-1] is module:
+        stack.pop()
+
+
+def is_state(storage: Any) -> bool:
+    """Whether a storage holds a parameter or buffer of a module that ran in a session."""
+    return storage in _state
+
+
+def current() -> str:
+    """The path of the innermost module running on this thread ("" outside any)."""
+    stack = _stack()
+    return _names.get(stack[-1], type(stack[-1]).__name__) if stack else ""
+
+
+def track() -> None:
+    """Start following modules (one call per open session; see :func:`untrack`)."""
+    global _users
+    with _lock:
+        _users += 1
+        if _users == 1:
+            _handles.append(module_hooks.register_module_forward_pre_hook(_enter))
+            _handles.append(module_hooks.register_module_forward_hook(_leave, always_call=True))
+
+
+def untrack() -> None:
+    global _users
+    with _lock:
+        _users -= 1
+        if _users == 0:
+            for handle in _handles:
+                handle.remove()
+            _handles.clear()

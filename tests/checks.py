@@ -1,0 +1,265 @@
+"""Checkers shared by the tests: gradients against plain autograd, policies, leaks.
+
+The oracle is always plain autograd run fresh in the same test: a tensorstash
+result is never compared with another tensorstash result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import tensorstash as ts
+
+GradMap = dict[str, Tensor | None]
+"""``"param:<name>"`` or ``"input:<index>"`` -> a clone of the gradient (None if none)."""
+
+SEED = 1234
+
+
+# -- running a step -----------------------------------------------------------------
+
+
+def fresh_inputs(inputs: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """New leaf copies of ``inputs`` with the same strides and ``requires_grad``.
+
+    ``clone()`` preserves the memory format (channels_last stays channels_last).
+    """
+    return tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in inputs)
+
+
+def collect_grads(model: nn.Module, inputs: Sequence[Tensor]) -> GradMap:
+    """Clones of every parameter's and every grad-requiring input's ``.grad``."""
+    grads: GradMap = {}
+    for name, param in model.named_parameters():
+        grads[f"param:{name}"] = None if param.grad is None else param.grad.detach().clone()
+    for index, x in enumerate(inputs):
+        if x.requires_grad:
+            grads[f"input:{index}"] = None if x.grad is None else x.grad.detach().clone()
+    return grads
+
+
+def grads_of(
+    model: nn.Module,
+    inputs: Sequence[Tensor],
+    loss_fn: Callable[[Any], Tensor],
+    ctx: contextlib.AbstractContextManager[Any] | None = None,
+    *,
+    seed: int = SEED,
+) -> GradMap:
+    """Run one step and return its gradients.
+
+    Reseeds the RNG (so dropout draws the same masks in every run), clears the
+    model's gradients, makes fresh leaf inputs, runs the forward and the loss
+    inside ``ctx`` (if given) and the backward after leaving it, as a training
+    loop does.
+    """
+    model.zero_grad(set_to_none=True)
+    leaves = fresh_inputs(inputs)
+    torch.manual_seed(seed)
+    with ctx if ctx is not None else contextlib.nullcontext():
+        loss = loss_fn(model(*leaves))
+    loss.backward()
+    return collect_grads(model, leaves)
+
+
+@contextlib.contextmanager
+def within(*managers: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+    """Enter ``managers`` left to right (outermost first) as one context."""
+    with contextlib.ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
+
+
+# -- comparing gradients ----------------------------------------------------------------
+
+
+def _describe_difference(expected: Tensor, actual: Tensor) -> str:
+    if expected.shape != actual.shape or expected.dtype != actual.dtype:
+        return (
+            f"expected shape {tuple(expected.shape)} {expected.dtype}, "
+            f"got {tuple(actual.shape)} {actual.dtype}"
+        )
+    diff = (expected.double() - actual.double()).abs()
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
+    worst = int(diff.flatten().argmax())
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), diff.shape))
+    unequal = int((expected != actual).sum())
+    return (
+        f"{unequal} of {expected.numel()} elements differ; largest difference "
+        f"{float(diff.flatten()[worst]):.3g} at index {index} "
+        f"(expected {float(expected[index]):.6g}, got {float(actual[index]):.6g})"
+    )
+
+
+def assert_grads_equal(expected: GradMap, actual: GradMap) -> None:
+    """Every gradient in ``actual`` is ``torch.equal`` to the one in ``expected``.
+
+    ``expected`` comes from plain autograd. Fails with the name of the first
+    parameter or input whose gradient differs. Also fails if ``expected`` has no
+    non-zero gradient, so a comparison can never pass vacuously.
+    """
+    assert expected.keys() == actual.keys(), (
+        f"different gradients: only in plain autograd {sorted(expected.keys() - actual.keys())}, "
+        f"only under tensorstash {sorted(actual.keys() - expected.keys())}"
+    )
+    assert any(g is not None and bool(g.ne(0).any()) for g in expected.values()), (
+        "plain autograd produced no non-zero gradient: the comparison would be vacuous"
+    )
+    for name, want in expected.items():
+        got = actual[name]
+        if want is None or got is None:
+            assert want is None and got is None, (
+                f"gradient of {name}: plain autograd gave "
+                f"{'none' if want is None else 'one'}, tensorstash gave "
+                f"{'none' if got is None else 'one'}"
+            )
+            continue
+        assert torch.equal(want, got), (
+            f"gradient of {name} differs from plain autograd: {_describe_difference(want, got)}"
+        )
+        assert want.stride() == got.stride(), (
+            f"gradient of {name} has stride {got.stride()}, plain autograd's has {want.stride()}"
+        )
+
+
+def assert_tensors_equal(expected: Tensor, actual: Tensor, what: str) -> None:
+    """``torch.equal`` and the same stride, with messages like :func:`assert_grads_equal`'s."""
+    assert torch.equal(expected, actual), (
+        f"{what} differs from plain autograd: {_describe_difference(expected, actual)}"
+    )
+    assert expected.stride() == actual.stride(), (
+        f"{what} has stride {actual.stride()}, plain autograd's has {expected.stride()}"
+    )
+
+
+# -- policies ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A policy to test, and where it puts the tensors of a CPU model.
+
+    Attributes:
+        id: the test id.
+        make: builds the policy (or its name) given a spill directory, so that
+            tests can find the files a disk policy writes.
+        tier: the tier eligible CPU tensors end in: "kept" (Keep, and
+            CpuOffload, which keeps CPU tensors where they are), "host" (lz4)
+            or "disk".
+    """
+
+    id: str
+    make: Callable[[Path], Any]
+    tier: str
+
+    def __repr__(self) -> str:
+        return f"PolicySpec({self.id})"
+
+
+POLICY_SPECS: tuple[PolicySpec, ...] = (
+    PolicySpec("keep", lambda _: ts.Keep(), "kept"),
+    PolicySpec("cpu", lambda _: ts.CpuOffload(), "kept"),
+    PolicySpec("lz4", lambda _: ts.Lz4(), "host"),
+    PolicySpec("disk", lambda d: ts.DiskSpill(directory=d), "disk"),
+    PolicySpec("lz4+disk", lambda d: ts.Chain(ts.Lz4(), ts.DiskSpill(directory=d)), "disk"),
+    PolicySpec(
+        "cpu+lz4+disk",
+        lambda d: ts.Chain(ts.CpuOffload(), ts.Lz4(), ts.DiskSpill(directory=d)),
+        "disk",
+    ),
+    # The names stash() accepts; "disk" spills to a private temporary directory.
+    PolicySpec("name-keep", lambda _: "keep", "kept"),
+    PolicySpec("name-cpu", lambda _: "cpu", "kept"),
+    PolicySpec("name-lz4", lambda _: "lz4", "host"),
+    PolicySpec("name-disk", lambda _: "disk", "disk"),
+)
+
+
+def policy_params() -> list[Any]:
+    """``pytest.param`` for every policy, with its id, to parametrize over."""
+    return [pytest.param(spec, id=spec.id) for spec in POLICY_SPECS]
+
+
+def tier_counts(session: Any) -> dict[str, int]:
+    """Tensors counted in each tier of a session's stats."""
+    tiers = session.stats.to_dict()["tiers"]
+    return {name: int(counters["tensors"]) for name, counters in tiers.items()}
+
+
+def assert_went_to(session: Any, tier: str) -> None:
+    """Some tensors rest in ``tier``, none further from the device than it.
+
+    "kept" < "host" < "disk": a Keep session must not have moved anything, an
+    lz4 session must have compressed some tensors and spilled none, a disk
+    session must have spilled some.
+    """
+    order = ("kept", "host", "disk")
+    counts = tier_counts(session)
+    table = session.stats.table()
+    assert counts[tier] > 0, f"no tensor reached tier {tier!r}:\n{table}"
+    for other in order[order.index(tier) + 1 :]:
+        assert counts[other] == 0, f"tensors reached tier {other!r}, expected {tier!r}:\n{table}"
+
+
+# -- leaks ------------------------------------------------------------------------------
+
+
+def top_saved_tensors_hooks() -> Any:
+    """The innermost saved-tensor hook pair pushed on this thread, or None."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)
+
+
+def tensorstash_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("tensorstash"))
+
+
+def files_under(directories: Sequence[Path]) -> list[str]:
+    """Every file (not directory) below ``directories``, recursively."""
+    found: list[str] = []
+    for directory in directories:
+        if directory.exists():
+            found.extend(str(p) for p in directory.rglob("*") if not p.is_dir())
+    return sorted(found)
+
+
+def _poll(condition: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if condition():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+
+
+def leak_check(*sessions: Any, directories: Sequence[Path] = (), timeout: float = 2.0) -> None:
+    """After ``gc.collect()``: no saved-tensor hooks pushed, no live bytes in any
+    session, no ``tensorstash-*`` thread and no file under ``directories``.
+
+    Threads stop and files go away asynchronously, so those are polled for up
+    to ``timeout`` seconds.
+    """
+    gc.collect()
+    assert top_saved_tensors_hooks() is None, "saved-tensor hooks are still pushed"
+    for session in sessions:
+        assert _poll(lambda s=session: s.stats.live_bytes == 0, timeout), (
+            f"session still holds {session.stats.live_bytes} live bytes:\n{session.stats.table()}"
+        )
+    assert _poll(lambda: not tensorstash_threads(), timeout), (
+        f"threads left running: {tensorstash_threads()}"
+    )
+    assert _poll(lambda: not files_under(directories), timeout), (
+        f"files left behind: {files_under(directories)}"
+    )

@@ -1,0 +1,167 @@
+"""Select and Auto with injected probes: each rule fires, the budget holds, reasons logged."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import tensorstash as ts
+
+MiB = 1 << 20
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fixed(free: int, total: int = 64 << 30):
+    return lambda device: (free, total)
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 256)
+    )
+
+
+def run(model: nn.Module, policy: object) -> tuple[ts.Session, list[torch.Tensor]]:
+    torch.manual_seed(1)
+    x = torch.randn(512, 256, requires_grad=True)
+    model.zero_grad()
+    with ts.stash(policy, min_bytes=0, record=True) as session:  # type: ignore[arg-type]
+        loss = model(x).square().mean()
+    loss.backward()
+    return session, [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+
+def plain(model: nn.Module) -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    x = torch.randn(512, 256, requires_grad=True)
+    model.zero_grad()
+    model(x).square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+
+def reasons(session: ts.Session) -> set[str]:
+    """The selector's reasons (what background work added after "; " left out)."""
+    return {row["reason"].split("; ")[0] for row in session.decisions}
+
+
+def test_auto_keeps_everything_under_a_large_budget() -> None:
+    model = mlp()
+    session, grads = run(model, ts.Auto(device_budget="1GiB", host_probe=fixed(64 << 30)))
+    tiers = session.stats.to_dict()["tiers"]
+    assert tiers["host"]["tensors"] == tiers["disk"]["tensors"] == 0
+    assert "under device budget" in reasons(session)
+    assert all(torch.equal(a, b) for a, b in zip(plain(model), grads, strict=True))
+
+
+def test_auto_budget_holds_within_one_tensor() -> None:
+    model = mlp()
+    budget = 3 * MiB
+    session, grads = run(model, ts.Auto(device_budget=budget, host_probe=fixed(64 << 30)))
+    kept = session.stats.to_dict()["tiers"]["kept"]
+    largest = max(row["bytes"] for row in session.decisions)
+    assert kept["peak_bytes"] <= budget + largest
+    assert session.stats.to_dict()["tiers"]["host"]["tensors"] >= 1
+    assert "device budget reached" in reasons(session)
+    assert all(torch.equal(a, b) for a, b in zip(plain(model), grads, strict=True))
+
+
+def test_auto_spills_to_disk_when_host_memory_is_low() -> None:
+    model = mlp()
+    policy = ts.Auto(device_budget=0, host_reserve="1GiB", host_probe=fixed(512 * MiB))
+    session, grads = run(model, policy)
+    assert session.stats.to_dict()["tiers"]["disk"]["tensors"] >= 1
+    assert "host memory low" in reasons(session)
+    assert all(torch.equal(a, b) for a, b in zip(plain(model), grads, strict=True))
+    del session
+    gc.collect()
+
+
+def test_select_probes_are_cached_for_refresh_s() -> None:
+    calls: list[int] = []
+
+    def probe(device: torch.device) -> tuple[int, int]:
+        calls.append(1)
+        return 1 << 30, 2 << 30
+
+    clock = Clock()
+    select = ts.Select(lambda t, m: ts.Keep(), device_probe=probe, host_probe=probe, clock=clock)
+    x = torch.randn(256, 256, requires_grad=True)
+    with ts.stash(select, min_bytes=0):
+        for _ in range(5):
+            (x * 2).sin()
+        first = len(calls)
+        clock.now += 1.0
+        (x * 2).sin()
+    assert first == 2  # one device and one host reading for five decisions
+    assert len(calls) == 4
+
+
+def test_select_sees_memory_and_held_bytes() -> None:
+    seen: list[ts.Memory] = []
+
+    def rule(tensor: torch.Tensor, memory: ts.Memory) -> object:
+        seen.append(memory)
+        return "keep"
+
+    x = torch.randn(256, 256, requires_grad=True)
+    select = ts.Select(rule, device_probe=fixed(123), host_probe=fixed(456))
+    with ts.stash(select, min_bytes=0):
+        (x * 2).sin().exp()
+    assert seen[0].device_free == 123 and seen[0].host_available == 456
+    assert seen[1].held["kept"] == 256 * 256 * 4  # the first tensor, kept
+
+
+def test_decision_log_names_module_shape_tier_and_reason() -> None:
+    model = mlp()
+    session, _ = run(model, ts.Chain(ts.Lz4(), ts.DiskSpill()))
+    rows = session.decisions
+    assert rows == session.stats.to_dict()["decisions"]
+    relu = [row for row in rows if row["module"] == "1"]
+    assert relu and relu[0]["shape"] == [512, 1024] and relu[0]["dtype"] == "float32"
+    assert relu[0]["tier"] == "disk"
+    assert relu[0]["reason"] == "policy Chain; spilled, compressible 1.9x"
+    assert relu[0]["stored_bytes"] < relu[0]["bytes"]
+    params = [row for row in rows if row["reason"] == "parameter"]
+    assert params and all(row["tier"] == "kept" for row in params)
+    for row in rows:
+        assert set(row) >= {"module", "shape", "dtype", "bytes", "tier", "stored_bytes", "reason"}
+    table = session.stats.table(by="module")
+    assert "module" in table.splitlines()[0] and "\n1 " in table
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"device_budget": "lots"}, "device_budget must be bytes"),
+        ({"device_budget": 1.5}, "fraction of memory"),
+        ({"host_reserve": -1}, "host_reserve must be >= 0"),
+    ],
+)
+def test_auto_rejects_bad_sizes(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ts.Auto(**kwargs)  # type: ignore[arg-type]
+
+
+def test_select_rejects_a_rule_that_is_not_callable() -> None:
+    with pytest.raises(TypeError, match="rule must be callable"):
+        ts.Select(3)  # type: ignore[arg-type]
+
+
+def test_select_cannot_be_a_chain_stage() -> None:
+    with pytest.raises(TypeError, match="cannot be a stage"):
+        ts.Chain(ts.Select(lambda t, m: "keep"), ts.DiskSpill())
+
+
+def test_stash_defaults_to_auto() -> None:
+    assert isinstance(ts.stash().policy, ts.Auto)
