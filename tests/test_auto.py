@@ -21,7 +21,7 @@ class Clock:
         return self.now
 
 
-def fixed(free: int, total: int = 64 << 30):
+def fixed(free: int, total: int = 64 << 30) -> ts.auto.Probe:
     return lambda device: (free, total)
 
 
