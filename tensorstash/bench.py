@@ -1,0 +1,718 @@
+"""The embedded model and the measurements behind ``tensorstash bench``.
+
+# NOTE [ Fair comparison ]
+Every variant (no stash, each policy, each peer) runs in one process on one
+model, and the numbers are only comparable if nothing but the variant differs:
+
+1. Variants are interleaved step by step (A B C A B C ...), so a burst of
+   machine noise hits every variant alike instead of one variant's steps.
+2. Every step starts from the same weights (a ``state_dict`` copy is
+   restored), the same token batch and the same RNG seed (dropout masks), so
+   a lossless variant must produce gradients bitwise equal to plain autograd.
+3. The first rounds are untimed: a warm-up round runs one-time work (lazy
+   imports, thread pools, kernel caches), then one round measures the resident
+   memory of a step, after free heap memory has been returned to the
+   operating system (see rule 5). Later rounds are timed and reported as a
+   median, with the heap left warm as in a training loop.
+4. The reference gradients come from one plain-autograd step taken before
+   the first round; "none" is compared against them as well, which checks that
+   the step itself is deterministic.
+5. Memory is reported two ways, because no single CPU number covers all
+   variants. ``peak_bytes``: on the CPU, the most bytes a stash session held
+   in RAM, the sum of the "kept" and "host" tier peaks from its stats (tiers
+   peak at different moments, so this is an upper bound when both hold
+   bytes; tensors the session skipped, such as parameters and tensors under
+   ``min_bytes``, are not in it), ``None`` for variants without a session; on
+   CUDA, ``torch.cuda.max_memory_allocated`` over the step, for every variant.
+   ``peak_rss_bytes``: the growth of the process's resident set over rule 3's
+   memory step, for every variant. glibc keeps freed memory in its heap, so
+   without rule 3's trim a step would reuse it and show no growth at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import psutil
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint as checkpoint_fn
+
+import tensorstash as ts
+from tensorstash.stats import human_bytes
+
+# -- the model -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Size of the embedded GPT-style decoder and of its batch.
+
+    Attributes:
+        vocab: vocabulary size (the output head is tied to the token embedding).
+        seq_len: tokens per sequence.
+        d_model: width of the residual stream.
+        n_head: attention heads; must divide ``d_model``.
+        n_layer: transformer blocks.
+        batch: sequences per step.
+        dropout: dropout probability (embeddings, attention, residual branches).
+    """
+
+    vocab: int
+    seq_len: int
+    d_model: int
+    n_head: int
+    n_layer: int
+    batch: int
+    dropout: float = 0.1
+
+    def describe(self) -> str:
+        """A one-line summary such as ``'4 layers, d=256, 4 heads, batch 8x128'``."""
+        return (
+            f"{self.n_layer} layers, d={self.d_model}, {self.n_head} heads, "
+            f"vocab {self.vocab}, batch {self.batch}x{self.seq_len}"
+        )
+
+
+CONFIGS: dict[str, ModelConfig] = {
+    # A step in a few tens of milliseconds: for tests.
+    "tiny": ModelConfig(vocab=512, seq_len=64, d_model=128, n_head=4, n_layer=2, batch=4),
+    # The default: about 0.1-0.3 s per forward and backward on 2 CPU cores.
+    "small": ModelConfig(vocab=2048, seq_len=128, d_model=256, n_head=4, n_layer=4, batch=4),
+    # A few seconds per step on 2 CPU cores.
+    "medium": ModelConfig(vocab=8192, seq_len=256, d_model=512, n_head=8, n_layer=8, batch=8),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.d_model % config.n_head:
+            raise ValueError(
+                f"tensorstash.bench.ModelConfig: d_model={config.d_model} is not divisible "
+                f"by n_head={config.n_head}; pick n_head among the divisors of d_model"
+            )
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq, width = x.shape
+        q, k, v = (
+            part.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2)
+            for part in self.qkv(x).split(width, dim=2)
+        )
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = y.transpose(1, 2).reshape(batch, seq, width)
+        return self.resid_drop(self.proj(y))
+
+
+class Mlp(nn.Module):
+    """The position-wise feed-forward network: 4x wider, GELU."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, 4 * config.d_model)
+        self.proj = nn.Linear(4 * config.d_model, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: attention, then MLP, each on a residual branch."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.d_model)
+        self.mlp = Mlp(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class BenchGPT(nn.Module):
+    """A GPT-style decoder that returns its cross-entropy loss.
+
+    Args:
+        config: the model's size.
+
+    Attributes:
+        checkpoint: when True (and training), every block runs under
+            non-reentrant ``torch.utils.checkpoint``: its activations are
+            recomputed in backward instead of saved.
+
+    Example:
+        >>> model = BenchGPT(CONFIGS["tiny"])
+        >>> inputs, targets = make_batch(CONFIGS["tiny"], seed=0)
+        >>> model(inputs, targets).backward()
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.checkpoint = False
+        self.wte = nn.Embedding(config.vocab, config.d_model)
+        self.wpe = nn.Embedding(config.seq_len, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.apply(_init_weights)
+
+    def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.drop(self.wte(tokens) + self.wpe(positions))
+        for block in self.blocks:
+            if self.checkpoint and self.training:
+                x = checkpoint_fn(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)  # tied output head
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2's initialisation: normal(0, 0.02) weights, zero biases."""
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+def make_batch(
+    config: ModelConfig, *, seed: int, device: torch.device | str = "cpu"
+) -> tuple[Tensor, Tensor]:
+    """A deterministic synthetic batch of next-token prediction.
+
+    Args:
+        config: the model's size (vocabulary, batch and sequence length).
+        seed: seeds a private ``torch.Generator``; the global RNG is untouched.
+        device: where the tokens go.
+
+    Returns:
+        ``(inputs, targets)``, int64 tensors of shape ``(batch, seq_len)``;
+        targets are the inputs shifted by one token.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(
+        config.vocab, (config.batch, config.seq_len + 1), generator=generator
+    ).to(device)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+# -- the variants --------------------------------------------------------------------
+
+# Policies handed to ts.stash, by bench name; factories so each step gets a fresh value.
+STASH_POLICIES: dict[str, Callable[[], Any]] = {
+    "keep": lambda: "keep",
+    "cpu": lambda: "cpu",
+    "lz4": lambda: "lz4",
+    "disk": lambda: "disk",
+    "lz4+disk": lambda: ts.Chain(ts.Lz4(), ts.DiskSpill()),
+}
+BASELINE = "none"
+PEERS = ("save_on_cpu", "checkpoint")
+ALL_POLICIES: tuple[str, ...] = (BASELINE, *STASH_POLICIES, *PEERS)
+DEFAULT_POLICIES = ALL_POLICIES
+
+
+def resolve_policies(names: Sequence[str]) -> list[str]:
+    """Validate bench policy names, drop repeats and put the baseline "none" first.
+
+    Args:
+        names: names from :data:`ALL_POLICIES`, in the order to run them.
+
+    Returns:
+        The names to run, starting with "none" (overhead is measured against it).
+
+    Raises:
+        ValueError: a name is not a bench policy.
+    """
+    unknown = [name for name in names if name not in ALL_POLICIES]
+    if unknown:
+        raise ValueError(
+            f"tensorstash bench: unknown policy {unknown[0]!r}; valid policies are "
+            f"{', '.join(ALL_POLICIES)}; pass several comma-separated, e.g. --policies none,lz4"
+        )
+    resolved = [BASELINE]
+    resolved.extend(name for name in dict.fromkeys(names) if name != BASELINE)
+    return resolved
+
+
+@contextlib.contextmanager
+def variant_context(name: str, model: BenchGPT, device: torch.device) -> Iterator[Any]:
+    """Run a region under one bench variant.
+
+    Args:
+        name: a name from :data:`ALL_POLICIES`.
+        model: the bench model (the "checkpoint" variant switches its flag).
+        device: where the model runs (``save_on_cpu`` pins memory on CUDA).
+
+    Returns:
+        A context manager whose value is the stash session, or None for
+        variants that are not a stash.
+    """
+    if name == BASELINE:
+        yield None
+    elif name == "save_on_cpu":
+        with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
+            yield None
+    elif name == "checkpoint":
+        model.checkpoint = True
+        try:
+            yield None
+        finally:
+            model.checkpoint = False
+    else:
+        with ts.stash(STASH_POLICIES[name]()) as session:
+            yield session
+
+
+# -- measurements --------------------------------------------------------------------
+
+
+def _current_rss() -> int:
+    """The process's resident set size in bytes."""
+    return int(psutil.Process().memory_info().rss)
+
+
+def _high_water_rss() -> int | None:
+    """Linux's VmHWM, the process's peak resident set, or None where unavailable."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_high_water_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return _high_water_rss() is not None
+
+
+def return_free_memory() -> None:
+    """Collect garbage and hand glibc's free heap memory back to the OS (best effort)."""
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class PeakRss:
+    """Measures how far the resident set grows over a region.
+
+    Uses Linux's resettable high-water mark when it can, else samples
+    ``psutil`` RSS from a thread every millisecond (which may miss short peaks).
+
+    Example:
+        >>> with PeakRss() as meter:
+        ...     run_step()
+        >>> meter.delta_bytes
+    """
+
+    def __init__(self, interval_s: float = 0.001) -> None:
+        self.delta_bytes = 0
+        self._interval_s = interval_s
+        self._start = 0
+        self._sampled = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> PeakRss:
+        self._start = _current_rss()
+        if not _reset_high_water_rss():
+            self._sampled = self._start
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._thread is None:
+            peak = _high_water_rss() or _current_rss()
+        else:
+            self._stop.set()
+            self._thread.join()
+            peak = max(self._sampled, _current_rss())
+        self.delta_bytes = max(0, peak - self._start)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._sampled = max(self._sampled, _current_rss())
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step of one variant measured."""
+
+    seconds: float
+    grads_equal: bool
+    stats: dict[str, Any] | None
+    cuda_peak_bytes: int | None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One variant's result (see NOTE [ Fair comparison ] for how it is measured).
+
+    Attributes:
+        policy: the variant's name.
+        peak_bytes: CPU: the most activation bytes the stash held in RAM
+            ("kept" plus "host" tier peaks, rule 5 of the NOTE; None without a
+            stash session). CUDA: ``torch.cuda.max_memory_allocated`` over a step.
+        peak_rss_bytes: growth of the resident set over the variant's memory step.
+        step_s: median seconds of a forward and backward over the timed steps.
+        step_times: every timed step, in seconds.
+        overhead: ``step_s`` over the ``step_s`` of "none".
+        grads_equal: every step's gradients bitwise equal to plain autograd's.
+        tiers: the stash's per-tier counters of the last step (None without a session).
+        compression_ratio: original over stored bytes of what left the device
+            (None without a session).
+    """
+
+    policy: str
+    peak_bytes: int | None
+    peak_rss_bytes: int
+    step_s: float
+    step_times: tuple[float, ...]
+    overhead: float
+    grads_equal: bool
+    tiers: dict[str, dict[str, int]] | None
+    compression_ratio: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field."""
+        data = asdict(self)
+        data["step_times"] = list(self.step_times)
+        return data
+
+
+class _Bench:
+    """The model, batch and reference gradients shared by every step of a run."""
+
+    def __init__(
+        self, config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int
+    ) -> None:
+        torch.manual_seed(seed)
+        self.model = BenchGPT(config).to(device=device, dtype=dtype).train()
+        self.initial = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.batch = make_batch(config, seed=seed, device=device)
+        self.device = device
+        self.seed = seed
+        self.reference: list[Tensor | None] = []
+
+    def step(self, name: str, *, meter: PeakRss | None = None) -> StepResult:
+        """Run one forward and backward under variant ``name`` and measure it.
+
+        Args:
+            name: the variant.
+            meter: when given, free heap memory is returned to the OS first and
+                the meter measures the step's resident memory (rule 3 of the NOTE).
+
+        Returns:
+            The step's time, gradient check, stash stats and CUDA peak.
+        """
+        self._reset()
+        if meter is not None:
+            return_free_memory()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        with meter or contextlib.nullcontext():
+            start = time.perf_counter()
+            with variant_context(name, self.model, self.device) as session:
+                loss = self.model(*self.batch)
+                loss.backward()
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - start
+        del loss
+        stats = None if session is None else session.stats.to_dict()
+        peak = torch.cuda.max_memory_allocated(self.device) if cuda else None
+        return StepResult(seconds, self._grads_equal(), stats, peak)
+
+    def take_reference(self) -> None:
+        """Run plain autograd once and keep its gradients (rule 4 of the NOTE)."""
+        self.step(BASELINE)
+        self.reference = [_grad_copy(p) for p in self.model.parameters()]
+
+    def _reset(self) -> None:
+        """Same weights, no gradients, same RNG state (rule 2 of the NOTE)."""
+        self.model.load_state_dict(self.initial)
+        self.model.zero_grad(set_to_none=True)
+        torch.manual_seed(self.seed)
+
+    def _grads_equal(self) -> bool:
+        """Whether every parameter's gradient equals the reference bitwise."""
+        grads = [p.grad for p in self.model.parameters()]
+        if len(grads) != len(self.reference):
+            return False
+        return all(
+            (g is None and r is None) or (g is not None and r is not None and torch.equal(g, r))
+            for g, r in zip(grads, self.reference, strict=True)
+        )
+
+
+def _grad_copy(parameter: Tensor) -> Tensor | None:
+    """A detached copy of ``parameter.grad`` (None if it has none)."""
+    return None if parameter.grad is None else parameter.grad.detach().clone()
+
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_config(name: str) -> ModelConfig:
+    """The :class:`ModelConfig` called ``name``; ValueError listing the valid names."""
+    if name not in CONFIGS:
+        raise ValueError(
+            f"tensorstash bench: unknown model {name!r}; valid models are "
+            f"{', '.join(CONFIGS)}; pass one with --model"
+        )
+    return CONFIGS[name]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``; ValueError if it is CUDA and CUDA is missing."""
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"tensorstash bench: device {str(device)!r} requested but torch "
+            f"{torch.__version__} sees no CUDA device; run with --device cpu or on a "
+            "machine with a GPU and a CUDA build of torch"
+        )
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"tensorstash bench: device {str(device)!r} is not supported; use cpu or cuda"
+        )
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``dtype`` as a ``torch.dtype``; ValueError listing the valid names."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+        dtype = str(dtype)
+    if dtype not in DTYPES:
+        raise ValueError(
+            f"tensorstash bench: dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}"
+        )
+    return DTYPES[dtype]
+
+
+def planned_steps(policies: Sequence[str], steps: int, warmup: int = 1) -> int:
+    """How many steps :func:`run_bench` runs: the reference, then untimed and timed rounds."""
+    return 1 + len(resolve_policies(policies)) * (warmup + 1 + steps)
+
+
+def run_bench(
+    config_name: str = "small",
+    policies: Sequence[str] = DEFAULT_POLICIES,
+    steps: int = 3,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "float32",
+    seed: int = 0,
+    *,
+    warmup: int = 1,
+    progress: Callable[[str], None] | None = None,
+) -> list[Row]:
+    """Train the embedded model for a few steps under each policy and measure them.
+
+    The variants are interleaved and compared as NOTE [ Fair comparison ]
+    describes; "none" (plain autograd) is always run first, as the baseline.
+
+    Args:
+        config_name: a key of :data:`CONFIGS`: "tiny", "small" or "medium".
+        policies: names from :data:`ALL_POLICIES`.
+        steps: timed steps per variant.
+        warmup: untimed warm-up steps per variant, before the one untimed step
+            that measures resident memory.
+        device: "cpu" or "cuda".
+        dtype: "float32" or "bfloat16": the model's parameter dtype.
+        seed: seeds the weights, the batch and dropout.
+        progress: called with the variant's name after every step.
+
+    Returns:
+        One :class:`Row` per variant, "none" first.
+
+    Raises:
+        ValueError: an unknown model, policy or dtype, ``steps < 1``, or CUDA
+            requested without a CUDA device.
+
+    Example:
+        >>> for row in run_bench("tiny", ["lz4", "disk"], steps=2):
+        ...     print(row.policy, row.overhead, row.grads_equal)
+    """
+    config = resolve_config(config_name)
+    names = resolve_policies(policies)
+    if steps < 1 or warmup < 0:
+        raise ValueError(
+            f"tensorstash bench: steps={steps}, warmup={warmup}; pass steps >= 1 "
+            "(--steps 1) and warmup >= 0"
+        )
+    bench = _Bench(config, resolve_device(device), resolve_dtype(dtype), seed)
+    tick = progress or (lambda name: None)
+    bench.take_reference()
+    tick(BASELINE)
+    untimed, rss = _untimed_rounds(bench, names, warmup, tick)
+    timed: dict[str, list[StepResult]] = {name: [] for name in names}
+    for _ in range(steps):  # rule 1: interleaved
+        for name in names:
+            timed[name].append(bench.step(name))
+            tick(name)
+    baseline = statistics.median(r.seconds for r in timed[BASELINE])
+    return [_row(name, untimed[name], timed[name], rss[name], baseline) for name in names]
+
+
+def _untimed_rounds(
+    bench: _Bench, names: list[str], warmup: int, tick: Callable[[str], None]
+) -> tuple[dict[str, list[StepResult]], dict[str, int]]:
+    """Rule 3 of the NOTE: warm-up rounds, then one round that measures resident memory.
+
+    Returns:
+        Each variant's untimed steps, and its resident memory growth in bytes.
+    """
+    results: dict[str, list[StepResult]] = {name: [] for name in names}
+    for _ in range(warmup):
+        for name in names:
+            results[name].append(bench.step(name))
+            tick(name)
+    rss: dict[str, int] = {}
+    for name in names:
+        meter = PeakRss()
+        results[name].append(bench.step(name, meter=meter))
+        rss[name] = meter.delta_bytes
+        tick(name)
+    return results, rss
+
+
+def _row(
+    name: str, untimed: list[StepResult], timed: list[StepResult], rss_bytes: int, baseline_s: float
+) -> Row:
+    """Summarise a variant's steps (see ``Row`` for what each field means)."""
+    every = untimed + timed
+    step_s = statistics.median(r.seconds for r in timed)
+    last = every[-1].stats
+    return Row(
+        policy=name,
+        peak_bytes=_peak_bytes(every),
+        peak_rss_bytes=rss_bytes,
+        step_s=step_s,
+        step_times=tuple(r.seconds for r in timed),
+        overhead=step_s / baseline_s if baseline_s > 0 else float("nan"),
+        grads_equal=all(r.grads_equal for r in every),
+        tiers=None if last is None else last["tiers"],
+        compression_ratio=None if last is None else float(last["compression_ratio"]),
+    )
+
+
+def _peak_bytes(results: list[StepResult]) -> int | None:
+    """The largest peak over the steps (see ``Row.peak_bytes``)."""
+    peaks: list[int] = []
+    for result in results:
+        if result.cuda_peak_bytes is not None:
+            peaks.append(result.cuda_peak_bytes)
+        elif result.stats is not None:
+            tiers = result.stats["tiers"]
+            peaks.append(int(tiers["kept"]["peak_bytes"]) + int(tiers["host"]["peak_bytes"]))
+    return max(peaks) if peaks else None
+
+
+# -- the table -----------------------------------------------------------------------
+
+_HEADERS = (
+    "policy",
+    "peak memory",
+    "peak RSS +",
+    "kept / host / disk",
+    "ratio",
+    "step",
+    "overhead",
+    "grads equal",
+)
+_LEFT = {0, 3}
+
+
+def _cells(row: Row) -> list[str]:
+    """A row's table cells, in the order of ``_HEADERS``."""
+    if row.tiers is None:
+        tiers = "-"
+    else:
+        tiers = " / ".join(human_bytes(row.tiers[t]["bytes"]) for t in ("kept", "host", "disk"))
+    return [
+        row.policy,
+        "-" if row.peak_bytes is None else human_bytes(row.peak_bytes),
+        human_bytes(row.peak_rss_bytes),
+        tiers,
+        "-" if row.compression_ratio is None else f"{row.compression_ratio:.2f}x",
+        f"{row.step_s:.3f} s",
+        f"{row.overhead:.2f}x",
+        "yes" if row.grads_equal else "NO",
+    ]
+
+
+def format_table(rows: Sequence[Row], *, device: str | torch.device = "cpu") -> str:
+    """The rows as an aligned plain-text table, one line per policy, with a legend.
+
+    Args:
+        rows: results of :func:`run_bench`.
+        device: where they were measured (changes what "peak memory" means).
+
+    Returns:
+        The table, without a trailing newline.
+    """
+    table = [list(_HEADERS), *(_cells(row) for row in rows)]
+    widths = [max(len(line[i]) for line in table) for i in range(len(_HEADERS))]
+    lines = [
+        "  ".join(
+            cell.ljust(width) if i in _LEFT else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(line, widths, strict=True))
+        ).rstrip()
+        for line in table
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    lines.extend(_legend(torch.device(device)))
+    return "\n".join(lines)
+
+
+def _legend(device: torch.device) -> list[str]:
+    """Lines under the table that say what each column measures."""
+    if device.type == "cuda":
+        peak = "peak memory: torch.cuda.max_memory_allocated over a step, weights included"
+    else:
+        peak = 'peak memory: most activation bytes a stash held in RAM at once ("kept" + "host")'
+    return [
+        "",
+        peak,
+        "peak RSS +: growth of resident memory over an untimed step, after trimming the heap",
+        "kept / host / disk: original bytes saved per tier; ratio: original / stored bytes moved",
+        "step: median of the timed steps (variants interleaved); overhead: step / step of none",
+        "grads equal: bitwise equal to plain autograd on every parameter, every step",
+    ]
