@@ -1,0 +1,722 @@
+"""Lossless codecs for a tensor's bytes: lz4 in chunks, with dtype-aware transforms.
+
+# NOTE [ Codec ]
+A payload is the 1-D uint8 view of a tensor's bytes (see NOTE [ Geometry ] in
+_layout.py). :func:`encode` turns it into an :class:`Encoded` value and
+:func:`decode` writes the same bytes, bit for bit, into a buffer.
+
+1. Methods. "raw" keeps a copy. "lz4" compresses the bytes in blocks.
+   "shuffle" first regroups byte j of every element into one plane (exponent
+   bytes of floats sit together, and lz4 finds their repeats). "bits" packs
+   0/1 bytes (bools) eight to a byte. "zeros" stores a bitmap of the elements
+   whose bits are not all zero (-0.0 counts as nonzero) and those elements
+   compacted: lz4 alone gets about 1.5x on ReLU outputs, slowly, because the
+   zero runs there are too short for it.
+2. Blocks. A method's output is cut into independent lz4 blocks, one for each
+   segment of about ``chunk_bytes`` of the payload: lz4 is several times faster
+   on 256 KiB - 1 MiB blocks than on one large buffer, the blocks are
+   compressed and decompressed in parallel, and a transform working on one
+   segment at a time stays in the CPU cache.
+3. Never larger. A block that lz4 does not shrink is kept as is (a block whose
+   length equals its decoded size is raw), and an encoding that ends up
+   larger than the payload ("zeros" on dense data) is replaced by "raw". So
+   ``stored_bytes`` never exceeds ``nbytes``.
+4. Threads. lz4 releases the GIL, so blocks are compressed and decompressed
+   on the ``pool`` given, a few ahead of the one needed. Transforms run on the
+   calling thread, in order, overlapping with the pool's lz4 work: several
+   threads each issuing many small torch ops mostly fight over the GIL
+   (measured: 30-50% more CPU time, no speed-up). Torch works on at most
+   ``_PIECE`` elements per op, below its parallel grain, so no op starts
+   OpenMP threads: while other processes or a training step keep the cores
+   busy, each OpenMP region can wait a scheduler time slice (measured: 8 ms
+   for a 64 KiB copy). A block that no worker has started when it is needed
+   is run by the caller, so ``pool`` may be the executor the caller itself
+   runs on, even a busy one.
+5. Element views. Transforms read elements as integers of the element's width
+   (bit patterns, never float values, so NaN payloads survive). torch only
+   views a uint8 tensor as wider integers when its storage offset is a
+   multiple of the width, so a misaligned payload or output goes through an
+   aligned copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from functools import partial
+from typing import Generic, TypeVar
+
+import lz4.block
+import torch
+from torch import Tensor
+
+__all__ = ["METHODS", "Encoded", "Stream", "choose", "decode", "encode"]
+
+METHODS: tuple[str, ...] = ("raw", "lz4", "shuffle", "bits", "zeros")
+
+T = TypeVar("T")
+Buffer = bytes | bytearray
+
+# Integer dtypes by width in bytes: how elements are read as bit patterns.
+_WORDS: dict[int, torch.dtype] = {
+    1: torch.uint8,
+    2: torch.int16,
+    4: torch.int32,
+    8: torch.int64,
+}
+# Widest word used anywhere; payloads and outputs are aligned to it (rule 5).
+_ALIGN = 8
+
+# 0x8040201008040201 as a signed int64. Multiplying eight 0/1 bytes, read as
+# one little-endian int64, by it moves byte i to bit 63 - i without carries
+# (every partial product lands on its own bit); multiplying a byte by it puts
+# a copy of the byte every 9 bits, which moves bit 7 - i to bit 8i + 7.
+_SPREAD = 0x8040201008040201 - (1 << 64)
+_LOW_BITS = 0x0101010101010101
+
+# Blocks compressed or decompressed ahead of the one the caller waits for:
+# enough to keep a few workers busy, few enough to bound the memory in flight.
+_AHEAD = 8
+# Elements a torch op works on at once: at most torch's parallel
+# grain (32768), so the op runs on the calling thread (rule 4). A multiple of 64,
+# so pieces of a "zeros" segment start on whole 8-byte words of its bitmap.
+_PIECE = 32768
+# Largest block accepted; lz4 handles at most about 2 GB in one call.
+_MAX_CHUNK_BYTES = 1 << 30
+
+# choose(): windows sampled, their size, the gain below which data is stored
+# raw, and the size margin within which the cheaper method wins (a sample's
+# estimate is only good to a few percent).
+_SAMPLE_WINDOWS = 4
+_SAMPLE_BYTES = 64 * 1024
+_MIN_RATIO = 1.1
+_NEAR_TIE = 1.03
+
+
+# -- encoded values ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """A payload cut into segments, each transformed and stored as one block.
+
+    Attributes:
+        itemsize: bytes per element the segments were cut on.
+        segment: elements of the payload in each segment (the last may hold fewer).
+        sizes: bytes of each block once decompressed.
+        blocks: each block, lz4-compressed, or raw when its length equals its size.
+        tail: trailing payload bytes short of a whole element, kept as they are.
+    """
+
+    itemsize: int
+    segment: int
+    sizes: tuple[int, ...]
+    blocks: tuple[Buffer, ...]
+    tail: bytes = b""
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes held by the blocks and the tail."""
+        return sum(len(block) for block in self.blocks) + len(self.tail)
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A payload in encoded form; :func:`decode` restores it.
+
+    Attributes:
+        method: how it was encoded, one of :data:`METHODS`; may differ from the
+            method asked for (see :func:`encode`).
+        nbytes: size of the original payload.
+        parts: ``(tensor,)`` holding a copy of the bytes for "raw",
+            ``(stream,)`` (a :class:`Stream`) for the other methods.
+    """
+
+    method: str
+    nbytes: int
+    parts: tuple[Stream | Tensor, ...]
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes held in memory for the payload (at most ``nbytes``)."""
+        return sum(_held(part) for part in self.parts)
+
+
+def _held(part: Stream | Tensor) -> int:
+    if isinstance(part, Stream):
+        return part.stored_bytes
+    return part.numel() * part.element_size()
+
+
+# -- public functions -------------------------------------------------------------
+
+
+def choose(payload: Tensor, dtype: torch.dtype) -> str:
+    """Pick the method expected to store ``payload`` in the fewest bytes.
+
+    Every method that suits the dtype is tried on a sample (a few 64 KiB
+    windows spread over the payload, or all of it when small). Within 3% of
+    the smallest result the cheaper method wins (order of :data:`METHODS`).
+
+    Args:
+        payload: 1-D contiguous uint8 CPU tensor, the bytes of a tensor.
+        dtype: the tensor's dtype.
+
+    Returns:
+        A method name; "raw" when no method gets at least 1.1x on the sample.
+
+    Example:
+        >>> flags = torch.rand(1 << 20) > 0.5
+        >>> choose(flags.view(torch.uint8), torch.bool)
+        'bits'
+    """
+    _check_tensor("choose", "payload", payload)
+    if payload.numel() == 0:
+        return "raw"
+    sample = _sample(payload, dtype.itemsize)
+    sizes: dict[str, int] = {}
+    for method in _candidates(dtype):
+        encoded = encode(sample, dtype, method)
+        if encoded.method in (method, "raw"):
+            sizes[method] = encoded.stored_bytes
+    smallest = min(sizes.values())
+    if sample.numel() < _MIN_RATIO * smallest:
+        return "raw"
+    return next(method for method, size in sizes.items() if size <= _NEAR_TIE * smallest)
+
+
+def encode(
+    payload: Tensor,
+    dtype: torch.dtype,
+    method: str,
+    *,
+    acceleration: int = 1,
+    pool: Executor | None = None,
+    chunk_bytes: int = 512 * 1024,
+) -> Encoded:
+    """Encode a tensor's bytes losslessly.
+
+    Args:
+        payload: 1-D contiguous uint8 CPU tensor, the bytes of a tensor. It is
+            only read; the result shares no memory with it.
+        dtype: the tensor's dtype (its itemsize drives "shuffle" and "zeros").
+        method: one of :data:`METHODS`, e.g. from :func:`choose`.
+        acceleration: lz4's speed/ratio trade-off; 1 compresses best.
+        pool: threads for the lz4 blocks; None compresses on this thread.
+        chunk_bytes: payload bytes per block.
+
+    Returns:
+        The encoded payload. Its ``method`` is the one used: "bits" on bytes
+        other than 0/1 and "shuffle" on one-byte elements are done as "lz4",
+        and any result larger than the payload is stored "raw".
+
+    Raises:
+        ValueError: on an unknown method, a bad payload or bad settings.
+
+    Example:
+        >>> x = torch.randn(1000).relu()
+        >>> encoded = encode(x.view(torch.uint8), x.dtype, "zeros")
+        >>> encoded.stored_bytes < x.numel() * 4
+        True
+    """
+    _check_tensor("encode", "payload", payload)
+    _check_settings(method, acceleration, chunk_bytes)
+    if method == "raw":
+        return Encoded("raw", payload.numel(), (payload.clone(),))
+    method, stream = _encode_stream(payload, dtype, method, acceleration, pool, chunk_bytes)
+    if stream.stored_bytes > payload.numel():
+        return Encoded("raw", payload.numel(), (payload.clone(),))
+    return Encoded(method, payload.numel(), (stream,))
+
+
+def decode(encoded: Encoded, out: Tensor, *, pool: Executor | None = None) -> None:
+    """Write the bytes that ``encoded`` holds into ``out``.
+
+    ``encoded`` is left as it was: it may be decoded again.
+
+    Args:
+        encoded: as returned by :func:`encode`.
+        out: 1-D contiguous uint8 CPU tensor of ``encoded.nbytes`` bytes.
+        pool: threads for the lz4 blocks; None decompresses on this thread.
+
+    Raises:
+        ValueError: when ``out`` does not fit, or ``encoded`` is corrupted.
+    """
+    _check_tensor("decode", "out", out)
+    if out.numel() != encoded.nbytes:
+        raise ValueError(
+            f"tensorstash._codec.decode: out holds {out.numel()} bytes but the encoded "
+            f"payload has {encoded.nbytes}; pass a buffer of exactly encoded.nbytes bytes"
+        )
+    if encoded.nbytes == 0:
+        return
+    part = encoded.parts[0]
+    if encoded.method == "raw" and isinstance(part, Tensor):
+        out.copy_(part)
+        return
+    if not isinstance(part, Stream) or encoded.method not in _UNDO:
+        raise ValueError(
+            f"tensorstash._codec.decode: cannot decode method {encoded.method!r} with "
+            f"parts of type {type(part).__name__}; the encoded value is corrupted"
+        )
+    target = out if _is_aligned(out) else torch.empty_like(out)
+    _decode_stream(part, encoded.method, target, pool)
+    if target is not out:
+        out.copy_(target)
+
+
+# -- checks -----------------------------------------------------------------------
+
+
+def _check_tensor(api: str, name: str, tensor: Tensor) -> None:
+    if not isinstance(tensor, Tensor):
+        raise ValueError(
+            f"tensorstash._codec.{api}: {name} must be a torch.Tensor, got {type(tensor).__name__}"
+        )
+    ok = tensor.dtype == torch.uint8 and tensor.dim() == 1 and tensor.device.type == "cpu"
+    if not ok or not tensor.is_contiguous():
+        raise ValueError(
+            f"tensorstash._codec.{api}: {name} must be a 1-D contiguous uint8 CPU tensor, got "
+            f"dtype={tensor.dtype}, shape={tuple(tensor.shape)}, stride={tensor.stride()}, "
+            f"device={tensor.device}; pass tensor.contiguous().view(-1).view(torch.uint8).cpu()"
+        )
+
+
+def _check_settings(method: str, acceleration: int, chunk_bytes: int) -> None:
+    if method not in METHODS:
+        raise ValueError(
+            f"tensorstash._codec.encode: unknown method {method!r}; use one of {METHODS}"
+        )
+    if not isinstance(acceleration, int) or acceleration < 1:
+        raise ValueError(
+            f"tensorstash._codec.encode: acceleration must be an int >= 1, got {acceleration!r}"
+        )
+    if not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= _MAX_CHUNK_BYTES:
+        raise ValueError(
+            f"tensorstash._codec.encode: chunk_bytes must be an int in [1, {_MAX_CHUNK_BYTES}], "
+            f"got {chunk_bytes!r}"
+        )
+
+
+def _is_aligned(tensor: Tensor) -> bool:
+    return tensor.storage_offset() % _ALIGN == 0
+
+
+def _aligned(tensor: Tensor) -> Tensor:
+    """The tensor, or an aligned copy where wider views of it would fail (rule 5)."""
+    return tensor if _is_aligned(tensor) else tensor.clone()
+
+
+# -- choose -----------------------------------------------------------------------
+
+
+def _candidates(dtype: torch.dtype) -> tuple[str, ...]:
+    """Methods worth trying on a dtype, cheapest first."""
+    if dtype == torch.bool:
+        return ("lz4", "bits")
+    if dtype.itemsize > 1 and (dtype.is_floating_point or dtype.is_complex):
+        return ("lz4", "zeros", "shuffle")
+    return ("lz4", "zeros")
+
+
+def _sample(payload: Tensor, itemsize: int) -> Tensor:
+    """A few windows spread over the payload, cut on element boundaries."""
+    window = max(itemsize, _SAMPLE_BYTES // itemsize * itemsize)
+    if payload.numel() <= _SAMPLE_WINDOWS * window:
+        return payload
+    last = (payload.numel() - window) // itemsize
+    sample = torch.empty(_SAMPLE_WINDOWS * window, dtype=torch.uint8)
+    for index in range(_SAMPLE_WINDOWS):
+        start = last * index // (_SAMPLE_WINDOWS - 1) * itemsize
+        # Not torch.cat or copy_: at this size they start OpenMP threads (rule 4).
+        target = sample.data_ptr() + index * window
+        ctypes.memmove(target, payload.data_ptr() + start, window)
+    return sample
+
+
+# -- encoding ---------------------------------------------------------------------
+
+
+def _encode_stream(
+    payload: Tensor,
+    dtype: torch.dtype,
+    method: str,
+    acceleration: int,
+    pool: Executor | None,
+    chunk_bytes: int,
+) -> tuple[str, Stream]:
+    """The method actually used, and the stream it produced (see :func:`encode`)."""
+    if method == "shuffle" and dtype.itemsize == 1:
+        method = "lz4"
+    itemsize = dtype.itemsize if method in ("shuffle", "zeros") else 1
+    if method != "lz4":
+        payload = _aligned(payload)
+    segment = max(1, chunk_bytes // itemsize)
+    if method in ("bits", "zeros"):
+        # Whole int64 words of flags per segment: only the last one is padded,
+        # and every segment starts aligned for the int64 view (rule 5).
+        segment = -(-segment // 8) * 8
+    body = payload.numel() // itemsize * itemsize
+    jobs = _compress_jobs(payload[:body], segment * itemsize, method, itemsize, acceleration)
+    try:
+        blocks = list(_ordered(jobs, pool))
+    except _NotFlags:
+        return _encode_stream(payload, dtype, "lz4", acceleration, pool, chunk_bytes)
+    sizes = tuple(size for size, _ in blocks)
+    data = tuple(block for _, block in blocks)
+    tail = bytes(_view(payload[body:]))
+    return method, Stream(itemsize, segment, sizes, data, tail)
+
+
+def _compress_jobs(
+    body: Tensor, step: int, method: str, itemsize: int, acceleration: int
+) -> Iterator[Callable[[], tuple[int, Buffer]]]:
+    """For each segment of ``step`` bytes, transform it here and yield its lz4 job (rule 4)."""
+    transform = _TRANSFORMS[method]
+    for start in range(0, body.numel(), step):
+        segment = body[start : start + step]
+        data = segment if transform is None else transform(segment, itemsize)
+        yield partial(_compress, data, acceleration)
+
+
+def _compress(data: Tensor, acceleration: int) -> tuple[int, Buffer]:
+    """One block: the data's size, and lz4's output or, if not smaller, a copy."""
+    view = _view(data)
+    packed = lz4.block.compress(view, mode="fast", acceleration=acceleration, store_size=False)
+    if len(packed) < len(view):
+        return len(view), packed
+    # A bytearray, so that decoding can wrap it in a tensor without copying.
+    return len(view), bytearray(view)
+
+
+def _shuffle(segment: Tensor, itemsize: int) -> Tensor:
+    """Byte j of every element, for each j in turn (in a little-endian host's byte order).
+
+    A plane is cut from the elements' integer view by a shift and a truncating
+    cast: faster in torch than a strided copy of uint8 columns.
+    """
+    words = _words(segment, itemsize)
+    count, columns = words.shape
+    width = words.element_size()
+    planes = torch.empty(segment.numel(), dtype=torch.uint8).view(itemsize, count)
+    for rows in _pieces(count, columns):
+        for column in range(columns):
+            word = words[rows, column]
+            for byte in range(width):
+                planes[column * width + byte, rows].copy_(word >> (8 * byte) if byte else word)
+    return planes.view(-1)
+
+
+class _NotFlags(Exception):
+    """Raised by :func:`_pack` on a byte other than 0 or 1: "bits" would lose it."""
+
+
+def _pack(segment: Tensor, itemsize: int) -> Tensor:
+    """The segment's bytes packed eight to a byte; raises _NotFlags unless all are 0/1."""
+    whole = segment.numel() // 8
+    words = segment[: whole * 8].view(torch.int64)
+    for rows in _pieces(whole, 1):
+        if bool((words[rows] & ~_LOW_BITS).any()):
+            raise _NotFlags
+    if any(flag > 1 for flag in segment[whole * 8 :].tolist()):
+        raise _NotFlags
+    packed = torch.empty(-(-segment.numel() // 8), dtype=torch.uint8)
+    _pack_bits(segment, packed)
+    return packed
+
+
+def _gather(segment: Tensor, itemsize: int) -> Tensor:
+    """The segment's bitmap of nonzero elements, a zero element, then the nonzero elements.
+
+    The bitmap is padded to whole 8-byte words, so the elements after it stay
+    aligned for the integer view that reads them back. Each element is
+    scattered to its rank among the nonzero ones (a running sum of the flags);
+    a zero element goes to the zero slot, which it leaves as it was. In torch
+    this is a few times faster than ``nonzero`` and a gather.
+    """
+    words = _words(segment, itemsize)
+    count, columns = words.shape
+    bitmap = -(-count // 64) * 8
+    block = torch.empty(bitmap + (count + 1) * itemsize, dtype=torch.uint8)
+    block[(count + 7) // 8 : bitmap + itemsize] = 0
+    values = _words(block[bitmap:], itemsize)
+    used = 0
+    for rows in _pieces(count, columns):
+        part = words[rows]
+        # bool() tests "not all bits zero", several times faster than != 0.
+        nonzero = part.bool().any(dim=1) if columns > 1 else part.view(-1).bool()
+        flags = nonzero.view(torch.uint8)
+        _pack_bits(flags, block[rows.start // 8 : (rows.stop + 7) // 8])
+        rank, used = _ranks(flags, used)
+        if columns > 1:
+            values.index_copy_(0, rank, part)
+        else:
+            values.view(-1).scatter_(0, rank, part.view(-1))
+    return block[: bitmap + (used + 1) * itemsize]
+
+
+def _ranks(flags: Tensor, before: int) -> tuple[Tensor, int]:
+    """Each flagged element's rank, counting ``before`` earlier ones, and 0 for the others.
+
+    Returns the ranks (int64) and the count of flagged elements including
+    ``before``. Masking with -flag (all bits set) is used because an int64
+    multiply or a masked fill is several times slower in torch.
+    """
+    ones = flags.long()
+    keep = ones.neg()
+    ones[0] += before
+    rank = ones.cumsum(0)
+    total = int(rank[-1])
+    rank &= keep
+    return rank, total
+
+
+def _pack_bits(flags: Tensor, packed: Tensor) -> None:
+    """Pack bytes of 0/1 (8-byte aligned) eight to a byte, the first in the high bit."""
+    whole = flags.numel() // 8
+    words = flags[: whole * 8].view(torch.int64)
+    for rows in _pieces(whole, 1):
+        # The cast to uint8 keeps the low byte: the eight flags.
+        packed[rows].copy_((words[rows] * _SPREAD) >> 56)
+    rest = flags[whole * 8 :].tolist()
+    if rest:
+        packed[whole] = sum(flag << (7 - bit) for bit, flag in enumerate(rest))
+
+
+_TRANSFORMS: dict[str, Callable[[Tensor, int], Tensor] | None] = {
+    "lz4": None,
+    "shuffle": _shuffle,
+    "bits": _pack,
+    "zeros": _gather,
+}
+
+
+# -- decoding ---------------------------------------------------------------------
+
+
+def _decode_stream(stream: Stream, method: str, out: Tensor, pool: Executor | None) -> None:
+    """Decode every block into its place in ``out``: lz4 on the pool, transforms here."""
+    body = out[: out.numel() - len(stream.tail)]
+    step = stream.segment * stream.itemsize
+    if len(stream.blocks) != len(stream.sizes) or len(stream.blocks) != -(-body.numel() // step):
+        raise ValueError(
+            f"tensorstash._codec.decode: {len(stream.blocks)} blocks of {step} bytes cannot "
+            f"hold {body.numel()} bytes; the encoded value is corrupted"
+        )
+    targets = (body[start : start + step] for start in range(0, body.numel(), step))
+    pairs = zip(stream.blocks, stream.sizes, strict=True)
+    undo = _UNDO[method]
+    if undo is None:
+        places = zip(stream.blocks, stream.sizes, targets, strict=True)
+        for _ in _ordered((partial(_decompress_into, *place) for place in places), pool):
+            pass
+    else:
+        decoded = _ordered((partial(_decompress, *pair) for pair in pairs), pool)
+        for data, target in zip(decoded, targets, strict=True):
+            undo(torch.frombuffer(data, dtype=torch.uint8), target, stream.itemsize)
+    if stream.tail:
+        tail = torch.tensor(list(stream.tail), dtype=torch.uint8)
+        out[body.numel() :] = tail
+
+
+def _decompress_into(block: Buffer, size: int, target: Tensor) -> None:
+    """Decompress one block straight into ``target``."""
+    if size != target.numel():
+        raise _corrupted(size, target.numel())
+    data = _decompress(block, size)
+    # ctypes releases the GIL around the copy, so workers copy in parallel.
+    ctypes.memmove(target.data_ptr(), (ctypes.c_char * size).from_buffer(data), size)
+
+
+def _decompress(block: Buffer, size: int) -> bytearray:
+    """A block's decoded bytes, writable so that torch can wrap them without a copy."""
+    if len(block) == size:
+        return block if isinstance(block, bytearray) else bytearray(block)
+    try:
+        data = lz4.block.decompress(block, uncompressed_size=size, return_bytearray=True)
+    except lz4.block.LZ4BlockError as error:
+        raise _corrupted(-1, size) from error
+    if len(data) != size:
+        raise _corrupted(len(data), size)
+    return data
+
+
+def _unshuffle(source: Tensor, target: Tensor, itemsize: int) -> None:
+    """Undo :func:`_shuffle`: rebuild each word from its planes, high byte first."""
+    words = _words(target, itemsize)
+    count, columns = words.shape
+    width = words.element_size()
+    planes = source.view(itemsize, count)
+    for rows in _pieces(count, columns):
+        # Widening each plane first: an OR of mixed dtypes is slower in torch.
+        wide = torch.empty(rows.stop - rows.start, dtype=words.dtype)
+        for column in range(columns):
+            word = words[rows, column]
+            word.copy_(planes[column * width + width - 1, rows])
+            for byte in reversed(range(width - 1)):
+                word <<= 8
+                word |= wide.copy_(planes[column * width + byte, rows])
+
+
+def _unpack(source: Tensor, target: Tensor, itemsize: int) -> None:
+    _unpack_bits(source, target)
+
+
+def _scatter(source: Tensor, target: Tensor, itemsize: int) -> None:
+    """Undo :func:`_gather`: each element is gathered from the stored ones by its rank.
+
+    A flagged element's rank among the flagged ones (a running sum of the
+    flags) indexes the stored elements; an unflagged one reads the zero
+    element. One gather is faster in torch than zero-fill plus masked scatter.
+    """
+    words = _words(target, itemsize)
+    count, columns = words.shape
+    bitmap = -(-count // 64) * 8
+    values = _words(source[bitmap:], itemsize)
+    used = 0
+    for rows in _pieces(count, columns):
+        flags = torch.empty(rows.stop - rows.start, dtype=torch.uint8)
+        _unpack_bits(source[rows.start // 8 : (rows.stop + 7) // 8], flags)
+        rank, used = _ranks(flags, used)
+        if columns > 1:
+            torch.index_select(values, 0, rank, out=words[rows])
+        else:
+            torch.index_select(values.view(-1), 0, rank, out=words[rows].view(-1))
+    if used + 1 != values.shape[0]:
+        raise _corrupted((used + 1) * itemsize, values.shape[0] * itemsize)
+
+
+def _unpack_bits(packed: Tensor, flags: Tensor) -> None:
+    """Undo :func:`_pack_bits` into ``flags`` (8-byte aligned), as 0/1 bytes."""
+    whole = flags.numel() // 8
+    words = flags[: whole * 8].view(torch.int64)
+    for rows in _pieces(whole, 1):
+        word = words[rows]
+        word.copy_(packed[rows])
+        word.mul_(_SPREAD)
+        word >>= 7
+        word &= _LOW_BITS
+    if flags.numel() > whole * 8:
+        last = int(packed[whole])
+        rest = [(last >> (7 - bit)) & 1 for bit in range(flags.numel() - whole * 8)]
+        flags[whole * 8 :] = torch.tensor(rest, dtype=torch.uint8)
+
+
+_UNDO: dict[str, Callable[[Tensor, Tensor, int], None] | None] = {
+    "lz4": None,
+    "shuffle": _unshuffle,
+    "bits": _unpack,
+    "zeros": _scatter,
+}
+
+
+def _corrupted(got: int, expected: int) -> ValueError:
+    return ValueError(
+        f"tensorstash._codec.decode: a block decoded to {got} bytes instead of {expected}; "
+        "the encoded value is corrupted"
+    )
+
+
+# -- helpers ----------------------------------------------------------------------
+
+
+def _words(data: Tensor, itemsize: int) -> Tensor:
+    """Whole elements of a uint8 tensor as (elements, words) of the widest integer that fits."""
+    width = next(width for width in (8, 4, 2, 1) if itemsize % width == 0)
+    return data.view(_WORDS[width]).view(-1, itemsize // width)
+
+
+def _pieces(count: int, columns: int) -> Iterator[slice]:
+    """Row ranges covering ``count`` rows, each at most ``_PIECE`` elements (rule 4)."""
+    step = max(8, _PIECE // columns)
+    return (slice(start, min(start + step, count)) for start in range(0, count, step))
+
+
+def _view(tensor: Tensor) -> memoryview:
+    """The bytes of a contiguous uint8 CPU tensor, without a copy.
+
+    The tensor must outlive the view: the view does not keep it alive.
+    """
+    array = (ctypes.c_char * tensor.numel()).from_address(tensor.data_ptr())
+    return memoryview(array).cast("B")
+
+
+class _Job(Generic[T]):
+    """A call that runs once, on a pool worker or on the first caller to need it.
+
+    Whoever waits for the result runs the call if no worker has started it, so
+    a job never waits for a pool whose workers are all busy (rule 4).
+    Unlike ``Future.cancel`` and a fallback, claiming cannot race a worker.
+    """
+
+    __slots__ = ("_call", "_claimed", "_done", "_error", "_value")
+
+    def __init__(self, call: Callable[[], T]) -> None:
+        self._call: Callable[[], T] | None = call
+        self._claimed = threading.Lock()
+        self._done = threading.Event()
+        self._value: T | None = None
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        """Run the call, unless someone already has."""
+        if not self._claimed.acquire(blocking=False):
+            return
+        call, self._call = self._call, None
+        try:
+            if call is not None:
+                self._value = call()
+        except BaseException as error:  # handed to the caller by result()
+            self._error = error
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        """Whether the call has finished."""
+        return self._done.is_set()
+
+    def result(self) -> T:
+        """The call's value; runs it here when no worker has started it."""
+        self.run()
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+
+def _ordered(calls: Iterable[Callable[[], T]], pool: Executor | None) -> Iterator[T]:
+    """Results of ``calls`` in order, running up to ``_AHEAD`` of them ahead on ``pool``.
+
+    ``calls`` is consumed lazily, which bounds the blocks held in flight. While
+    the oldest call is still running, this thread runs calls no worker has
+    started rather than wait.
+    """
+    if pool is None:
+        for call in calls:
+            yield call()
+        return
+    pending: deque[_Job[T]] = deque()
+    for call in calls:
+        job = _Job(call)
+        # A pool that was shut down refuses the job: result() then runs it here.
+        with contextlib.suppress(RuntimeError):
+            pool.submit(job.run)
+        pending.append(job)
+        if len(pending) > _AHEAD:
+            yield _next(pending)
+    while pending:
+        yield _next(pending)
+
+
+def _next(pending: deque[_Job[T]]) -> T:
+    """The oldest job's result; runs pending jobs here until it is done."""
+    for job in pending:
+        if pending[0].done():
+            break
+        job.run()
+    return pending.popleft().result()
