@@ -13,6 +13,7 @@ from tensorstash.compress import Lz4
 from tensorstash.cpu import CpuOffload
 from tensorstash.disk import DiskSpill, SpillError
 from tensorstash.policy import Chain, Context, Keep, Packed, Policy
+from tensorstash.profile import Profile
 from tensorstash.recompute import recompute, recompute_modules, unrecompute
 from tensorstash.stash import Session, pause, stash
 from tensorstash.stats import StashStats
@@ -28,6 +29,7 @@ __all__ = [
     "Memory",
     "Packed",
     "Policy",
+    "Profile",
     "Select",
     "Session",
     "SpillError",

@@ -58,6 +58,16 @@ def _leave(module: nn.Module, args: Any, output: Any) -> None:
         stack.pop()
 
 
+def forget_stack() -> None:
+    """Empty this thread's module stack.
+
+    Called when a thread's outermost session exits: a KeyboardInterrupt (a
+    BaseException) skips torch's always-called forward hooks, which would leave
+    the interrupted modules on the stack and misname every later module.
+    """
+    _stack().clear()
+
+
 def is_state(storage: Any) -> bool:
     """Whether a storage holds a parameter or buffer of a module that ran in a session."""
     return storage in _state

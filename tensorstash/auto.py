@@ -169,6 +169,10 @@ class Auto:
 
     Rules, in order, for each eligible tensor:
 
+    0. From the second step of a session given a :class:`~tensorstash.Profile`:
+       follow the plan made from the last step (see NOTE [ Profile ]): keep
+       sites whose reload stalled backward, then the sites saved last, while
+       they fit in the budget; offload those saved earliest.
     1. While the tensors this session keeps on their device stay within
        ``device_budget``: keep it ("under device budget").
     2. Host RAM available, less this tensor, would fall under ``host_reserve``:
@@ -202,49 +206,74 @@ class Auto:
             parse_bytes(self.device_budget, "tensorstash.Auto", "device_budget")
         parse_bytes(self.host_reserve, "tensorstash.Auto", "host_reserve")
 
-    def selector(self, ctx: Context) -> Select:
-        """This session's selector (its budget is fixed when first needed)."""
-        selector: Select = ctx.resource(("auto", id(self)), self._make_selector)
-        return selector
+    def state(self, ctx: Context) -> _AutoState:
+        """This session's state: its probes, its budget (fixed when first needed), its plan."""
+        state: _AutoState = ctx.resource(("auto", id(self)), lambda: _AutoState(self))
+        return state
 
-    def _make_selector(self) -> Select:
-        budget = (
-            None
-            if self.device_budget is None
-            else parse_bytes(self.device_budget, "tensorstash.Auto", "device_budget")
-        )
-        reserve = parse_bytes(self.host_reserve, "tensorstash.Auto", "host_reserve")
-        offload = Chain(CpuOffload(), Lz4())
-        spill = Chain(CpuOffload(), Lz4(), DiskSpill(self.directory))
-        keep = Keep()
-        limits: dict[str, int] = {}
-
-        def rule(tensor: Tensor, memory: Memory) -> tuple[Policy, str]:
-            if "budget" not in limits:
-                limits["budget"] = (
-                    memory.device_free // 2
-                    if budget is None
-                    else _resolve_budget(budget, memory.device_total)
-                )
-                limits["reserve"] = (
-                    _resolve_budget(reserve, host_memory()[1])
-                    if isinstance(reserve, float)
-                    else int(reserve)
-                )
-            nbytes = tensor.numel() * tensor.element_size()
-            if memory.held["kept"] + nbytes <= limits["budget"]:
-                return keep, "under device budget"
-            if memory.host_available - nbytes < limits["reserve"]:
-                return spill, "host memory low"
-            return offload, "device budget reached"
-
-        return Select(rule, self.device_probe, self.host_probe, clock=self.clock)
-
-    def choose(self, tensor: Tensor, ctx: Context) -> tuple[Policy, str | None]:
-        return self.selector(ctx).choose(tensor, ctx)
+    def choose(self, tensor: Tensor, ctx: Context) -> tuple[Policy, str]:
+        state = self.state(ctx)
+        return state.decide(tensor, state.select.memory(tensor, ctx), ctx)
 
     def pack(self, value: Tensor, ctx: Context) -> Any:
         return Select.pack(self, value, ctx)  # type: ignore[arg-type]
 
     def unpack(self, packed: Any, ctx: Context) -> Tensor:
         return Select.unpack(self, packed, ctx)  # type: ignore[arg-type]
+
+
+class _AutoState:
+    """Per-session state of an :class:`Auto`: its resolved limits and this step's plan."""
+
+    def __init__(self, auto: Auto) -> None:
+        self.auto = auto
+        self.select = Select(_unused_rule, auto.device_probe, auto.host_probe, clock=auto.clock)
+        self.keep = Keep()
+        self.offload = Chain(CpuOffload(), Lz4())
+        self.spill = Chain(CpuOffload(), Lz4(), DiskSpill(auto.directory))
+        self.budget: int | None = None
+        self.reserve = 0
+        self.plan: dict[Any, str] | None = None
+
+    def _limits(self, memory: Memory) -> int:
+        if self.budget is None:
+            api = "tensorstash.Auto"
+            budget = self.auto.device_budget
+            parsed = None if budget is None else parse_bytes(budget, api, "device_budget")
+            self.budget = (
+                memory.device_free // 2
+                if parsed is None
+                else _resolve_budget(parsed, memory.device_total)
+            )
+            reserve = parse_bytes(self.auto.host_reserve, api, "host_reserve")
+            host_total = self.auto.host_probe(torch.device("cpu"))[1]
+            self.reserve = _resolve_budget(reserve, host_total)
+        return self.budget
+
+    def decide(self, tensor: Tensor, memory: Memory, ctx: Context) -> tuple[Policy, str]:
+        """The rules of :class:`Auto`, the plan of its profile first (from step two)."""
+        budget = self._limits(memory)
+        nbytes = tensor.numel() * tensor.element_size()
+        fits = memory.held["kept"] + nbytes <= budget
+        outwards = (
+            (self.spill, "host memory low")
+            if memory.host_available - nbytes < self.reserve
+            else (self.offload, "device budget reached")
+        )
+        profile = ctx.profile
+        if profile is not None and profile.steps and ctx.site is not None:
+            if self.plan is None:
+                self.plan = profile.plan(budget)
+            planned = self.plan.get(ctx.site)
+            if planned is not None:
+                if planned.startswith("keep") and fits:
+                    return self.keep, planned
+                policy, why = outwards
+                return policy, f"{planned}; {why}" if why == "host memory low" else planned
+        if fits:
+            return self.keep, "under device budget"
+        return outwards
+
+
+def _unused_rule(tensor: Tensor, memory: Memory) -> Policy:
+    raise AssertionError("tensorstash: Auto decides itself; this is a bug in tensorstash")

@@ -71,22 +71,32 @@ class Compressed(Packed):
         return self.future.result()
 
 
-def _compress(payload: Tensor, dtype: torch.dtype, acceleration: int) -> _codec.Encoded:
-    """A worker's job: the sampled trial, then the encoding it chose (rule 1)."""
-    method = _codec.choose(payload, dtype)
+def _compress(
+    payload: Tensor, dtype: torch.dtype, acceleration: int, hint: str | None
+) -> _codec.Encoded:
+    """A worker's job: the sampled trial (unless the profile knows the site), then encoding."""
+    method = hint or _codec.choose(payload, dtype)
     if method == "raw":  # rule 2: no copy; the payload view keeps the bytes alive
         return _codec.Encoded("raw", payload.numel(), (payload,))
     return _codec.encode(payload, dtype, method, acceleration=acceleration)
 
 
 def _finished(
-    ref: weakref.ref[Compressed], ctx: Context, future: Future[_codec.Encoded], raw_tier: Tier
+    ref: weakref.ref[Compressed],
+    ctx: Context,
+    future: Future[_codec.Encoded],
+    raw_tier: Tier,
+    record: Any,
 ) -> None:
+    if future.exception() is not None:
+        return
+    encoded = future.result()
+    if record is not None:
+        record.method = encoded.method
     packed = ref()
-    if packed is None or future.exception() is not None:
+    if packed is None:
         return
     packed.source = None
-    encoded = future.result()
     if encoded.method == "raw":
         ctx.stats.fallback("incompressible")
         ctx.update(packed, raw_tier, encoded.nbytes, "incompressible: left as it was")
@@ -143,7 +153,9 @@ class Lz4:
             raise bug("HostBytes without a layout")
         pending: Pending = ctx.resource("lz4-pending", Pending)
         pending.wait_under(self.max_pending_bytes, ctx)
-        future = ctx.pool().submit(_compress, payload, layout.dtype, self.acceleration)
+        profile = ctx.profile
+        hint = profile.method(ctx.site) if profile is not None else None
+        future = ctx.pool().submit(_compress, payload, layout.dtype, self.acceleration, hint)
         # Rule 2: bytes left raw stay where they were: in the tensor's own
         # storage for a CPU tensor, in host memory for anything copied there.
         raw_tier: Tier = "kept" if device_of(value).type == "cpu" and kind != "host" else "host"
@@ -151,8 +163,8 @@ class Lz4:
             "host", host.nbytes, layout.nbytes, layout, kind, future=future, source=payload
         )
         pending.add(future, layout.nbytes)
-        ref = weakref.ref(packed)
-        future.add_done_callback(lambda done: _finished(ref, ctx, done, raw_tier))
+        ref, record = weakref.ref(packed), ctx.record
+        future.add_done_callback(lambda done: _finished(ref, ctx, done, raw_tier, record))
         return packed
 
     def unpack(self, packed: Packed, ctx: Context) -> Tensor | Packed:

@@ -165,6 +165,11 @@ class Context:
         self._open = 0
         self._warnings: list[str] = []
         self.resources: dict[Any, Any] = {}
+        # The profile of the session, and the call site being packed now (set
+        # by the session around each pack; see NOTE [ Profile ] in profile.py).
+        self.profile: Any = None
+        self.site: Any = None
+        self.record: Any = None
 
     # Executors -------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from tensorstash import _modules
 from tensorstash.policy import Context, Held, Keep, Packed, Policy, bug, nbytes_of
+from tensorstash.profile import Profile, SiteRecord
 from tensorstash.stats import StashStats
 
 DEFAULT_MIN_BYTES = 64 * 1024
@@ -103,7 +104,16 @@ def resolve(policy: Policy | str) -> Policy:
 class _Saved:
     """One saved tensor as autograd holds it: the policy, its packed value, a version stamp."""
 
-    __slots__ = ("__weakref__", "counter", "packed", "policy", "prefetched", "prev", "version")
+    __slots__ = (
+        "__weakref__",
+        "counter",
+        "packed",
+        "policy",
+        "prefetched",
+        "prev",
+        "record",
+        "version",
+    )
 
     def __init__(self, policy: Policy, packed: Any, source: Tensor, prev: _Saved | None) -> None:
         self.policy = policy
@@ -113,6 +123,7 @@ class _Saved:
         self.counter = held if held is not None else _version_counter(source)
         self.prev = None if prev is None else weakref.ref(prev)
         self.prefetched = False
+        self.record: SiteRecord | None = None
 
     def check_version(self) -> None:
         """Raise as autograd would if the saved tensor changed in place (rule 2)."""
@@ -221,12 +232,16 @@ class Session(contextlib.ContextDecorator):
         stats: what the session did (:class:`~tensorstash.StashStats`).
     """
 
-    def __init__(self, policy: Policy, *, min_bytes: int, workers: int, record: bool) -> None:
+    def __init__(
+        self, policy: Policy, *, min_bytes: int, workers: int, record: bool, profile: Profile | None
+    ) -> None:
         self.policy = policy
         self.min_bytes = min_bytes
         self.record = record
+        self.profile = profile
         self.stats = StashStats()
         self._ctx = Context(self.stats, workers=workers)
+        self._ctx.profile = profile
         self._last: weakref.ref[_Saved] | None = None
         self._dedupe: dict[tuple[Any, ...], tuple[weakref.ref[Any], weakref.ref[_Saved]]] = {}
         self._lock = threading.Lock()
@@ -246,6 +261,8 @@ class Session(contextlib.ContextDecorator):
                 "NOTE [ Recompute ] in tensorstash/recompute.py)"
             )
         torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+        if self.profile is not None:
+            self.profile.start_step()
         _active().append(self)
         self._ctx.opened()
         _modules.track()
@@ -266,6 +283,8 @@ class Session(contextlib.ContextDecorator):
             )
         torch._C._autograd._pop_saved_tensors_default_hooks()
         active.pop()
+        if not active:
+            _modules.forget_stack()
         _modules.untrack()
         self._ctx.closed()
         self._ctx.flush_warnings()
@@ -290,15 +309,24 @@ class Session(contextlib.ContextDecorator):
                 if self.record:
                     self._log(tensor, getattr(saved.packed, "tier", "kept"), 0, "deduplicated")
                 return saved
+        record = None
+        if self.profile is not None:
+            site = self.profile.site(_modules.current(), tensor)
+            record = self.profile.record_pack(site, nbytes_of(tensor))
+            self._ctx.site, self._ctx.record = site, record
         policy, reason = self.policy, None
         choose = getattr(policy, "choose", None)
         if choose is not None:  # a selector: NOTE [ Selection ] in auto.py
             policy, reason = choose(tensor, self._ctx)
         packed = policy.pack(tensor, self._ctx)
+        self._ctx.site = self._ctx.record = None
         if self.record and isinstance(packed, Packed):
             why = reason or f"policy {type(policy).__name__}"
             self._ctx.attach_row(packed, self._log(tensor, packed.tier, packed.stored_bytes, why))
         saved = _Saved(policy, packed, tensor, None if self._last is None else self._last())
+        if record is not None:
+            record.offloaded = getattr(packed, "tier", "kept") != "kept"
+            saved.record = record
         self._remember(saved, key, storage)
         self.stats.timed("pack", time.perf_counter() - start)
         self._ctx.flush_warnings()
@@ -315,7 +343,11 @@ class Session(contextlib.ContextDecorator):
         start = time.perf_counter()
         saved.check_version()
         self._prefetch_before(saved)
+        record, profile = saved.record, self.profile
+        began = profile.clock() if record is not None and profile is not None else 0.0
         tensor = saved.policy.unpack(saved.packed, self._ctx)
+        if record is not None and profile is not None:
+            record.unpack_s += profile.clock() - began
         if isinstance(tensor, Held):
             tensor = tensor.tensor
         if not isinstance(tensor, Tensor):
@@ -401,6 +433,7 @@ def stash(
     min_bytes: int = DEFAULT_MIN_BYTES,
     workers: int = 2,
     record: bool = False,
+    profile: Profile | None = None,
 ) -> Session:
     """Move the tensors autograd saves for backward out of the way.
 
@@ -417,6 +450,8 @@ def stash(
         record: keep a decision log, one row per saved tensor (module, shape,
             dtype, bytes, tier, stored bytes, reason): ``session.decisions``
             and ``stats.to_dict()["decisions"]``.
+        profile: a :class:`~tensorstash.Profile` this session updates, given to
+            the session of every step; ``Auto`` plans with it from step two.
 
     Returns:
         A :class:`Session`: a context manager and a decorator; ``session.stats``
@@ -444,7 +479,13 @@ def stash(
         raise TypeError(f"tensorstash.stash: workers must be a positive int; got {workers!r}")
     if not isinstance(record, bool):
         raise TypeError(f"tensorstash.stash: record must be True or False; got {record!r}")
-    return Session(resolve(policy), min_bytes=min_bytes, workers=workers, record=record)
+    if profile is not None and not isinstance(profile, Profile):
+        raise TypeError(
+            f"tensorstash.stash: profile must be a tensorstash.Profile; got {profile!r}"
+        )
+    return Session(
+        resolve(policy), min_bytes=min_bytes, workers=workers, record=record, profile=profile
+    )
 
 
 @contextlib.contextmanager

@@ -165,3 +165,14 @@ def test_select_cannot_be_a_chain_stage() -> None:
 
 def test_stash_defaults_to_auto() -> None:
     assert isinstance(ts.stash().policy, ts.Auto)
+
+
+def test_decision_log_names_modules_after_an_interrupted_forward() -> None:
+    class Interrupts(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt), ts.stash("keep", min_bytes=0, record=True):
+        nn.Sequential(nn.Linear(8, 8), Interrupts())(torch.randn(2, 8))
+    session, _ = run(mlp(), "keep")
+    assert {row["module"] for row in session.decisions} >= {"0", "1", "2"}

@@ -1,0 +1,133 @@
+"""Profile: what a session learns per call site, carried from one step to the next.
+
+# NOTE [ Profile ]
+1. A call site is where a tensor is saved: the module path, the operation that
+   produced the tensor, its shape and dtype, and which occurrence of those it
+   is within the step (a module called twice has two sites).
+2. A step runs from a session's enter to the next enter of a session with the
+   same profile; the sites recorded in it (bytes, pack order, seconds backward
+   spent unpacking each) become ``last`` when the next step starts.
+3. From the second step a selector can plan with ``last``: backward needs the
+   tensors saved last first, so offloading the earliest ones leaves the most
+   time to bring them back; a site whose unpack stalled backward is kept.
+   See ``Auto`` in auto.py.
+4. Times come from an injected clock, so tests can make a site stall.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+Site = tuple[str, str | None, tuple[int, ...], str, int]
+"""``(module, op, shape, dtype, occurrence)``: rule 1 of NOTE [ Profile ]."""
+
+
+@dataclass(slots=True)
+class SiteRecord:
+    """One call site in one step.
+
+    Attributes:
+        order: its position among the step's eligible packs.
+        nbytes: the tensor's size.
+        unpack_s: seconds backward spent in its unpacks (waiting included).
+        offloaded: whether its bytes left the device.
+        method: the encoding Lz4's trial chose for it, reused next step.
+    """
+
+    order: int
+    nbytes: int
+    unpack_s: float = 0.0
+    offloaded: bool = False
+    method: str | None = None
+
+
+@dataclass(eq=False)
+class Profile:
+    """Per-call-site measurements a session updates each step (NOTE [ Profile ]).
+
+    Pass the same profile to the session of every step:
+    ``stash("auto", profile=profile)``. ``Auto`` uses it from the second step
+    on to keep what backward needs at once or what stalled it, and to offload
+    the tensors saved earliest instead.
+
+    Args:
+        clock: seconds, monotonic; injected for tests.
+        stall_s: an unpack taking longer than this stalled backward.
+
+    Example:
+        >>> profile = tensorstash.Profile()
+        >>> for batch in loader:
+        ...     with tensorstash.stash("auto", profile=profile):
+        ...         loss = model(batch)
+        ...     loss.backward()
+    """
+
+    clock: Callable[[], float] = time.perf_counter
+    stall_s: float = 0.002
+    steps: int = 0
+    last: dict[Site, SiteRecord] = field(default_factory=dict)
+    current: dict[Site, SiteRecord] = field(default_factory=dict)
+    _seen: Counter[tuple[Any, ...]] = field(default_factory=Counter)
+
+    def start_step(self) -> None:
+        """Rule 2: the sites recorded so far become ``last``."""
+        if self.current:
+            self.last, self.current = self.current, {}
+            self.steps += 1
+        self._seen.clear()
+
+    def site(self, module: str, tensor: Tensor) -> Site:
+        """The call site of a tensor being saved now (rule 1)."""
+        grad_fn = tensor.grad_fn
+        op = type(grad_fn).__name__ if grad_fn is not None else None
+        key = (module, op, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+        self._seen[key] += 1
+        return (*key, self._seen[key])
+
+    def record_pack(self, site: Site, nbytes: int) -> SiteRecord:
+        record = SiteRecord(len(self.current), nbytes)
+        self.current[site] = record
+        return record
+
+    def method(self, site: Site | None) -> str | None:
+        """The encoding chosen for this site last step, if any."""
+        record = self.last.get(site) if site is not None else None
+        return record.method if record is not None else None
+
+    def stalled(self, site: Site) -> bool:
+        """Whether unpacking this site stalled backward last step."""
+        record = self.last.get(site)
+        return record is not None and record.offloaded and record.unpack_s > self.stall_s
+
+    def plan(self, budget: int) -> dict[Site, str]:
+        """From ``last``: which sites to keep and which to offload (rule 3).
+
+        Stalled sites are kept first, then sites from the end of the step
+        backwards, each group latest first, while the kept bytes fit in
+        ``budget``; the rest, saved earliest, are offloaded.
+
+        Returns:
+            ``{site: reason}``, where a reason starting with "keep" keeps it.
+        """
+        plan: dict[Site, str] = {}
+        kept = 0
+        latest_first = sorted(self.last.items(), key=lambda item: -item[1].order)
+        for site, record in latest_first:
+            if self.stalled(site) and kept + record.nbytes <= budget:
+                plan[site] = "keep: its reload stalled backward last step"
+                kept += record.nbytes
+        for site, record in latest_first:
+            if site in plan:
+                continue
+            if kept + record.nbytes <= budget:
+                plan[site] = "keep: backward needs it soon (saved late)"
+                kept += record.nbytes
+            else:
+                plan[site] = "offload: saved early, time to bring it back"
+        return plan

@@ -1,0 +1,123 @@
+"""Profile: call sites recorded per step; Auto plans from the last step (NOTE [ Profile ])."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tensorstash as ts
+from tensorstash.profile import SiteRecord
+
+MiB = 1 << 20
+
+
+class Clock:
+    """A clock that moves one second each time it is read: every unpack 'stalls'."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(6)))
+
+
+def plain(net: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    net.zero_grad()
+    net(x).square().mean().backward()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def step(net: nn.Module, x: torch.Tensor, policy: object, profile: ts.Profile) -> ts.Session:
+    net.zero_grad()
+    with ts.stash(policy, min_bytes=0, record=True, profile=profile) as session:  # type: ignore[arg-type]
+        loss = net(x).square().mean()
+    loss.backward()
+    return session
+
+
+def offloaded(session: ts.Session) -> list[int]:
+    """Positions (in pack order) of the eligible tensors that were moved off the device."""
+    rows = [r for r in session.decisions if r["reason"] not in ("parameter", "deduplicated")]
+    return [i for i, row in enumerate(rows) if not row["reason"].startswith(("under", "keep"))]
+
+
+def test_profile_records_the_same_sites_each_step() -> None:
+    net, x = model(), torch.randn(256, 512)
+    profile = ts.Profile()
+    step(net, x, "keep", profile)
+    first = list(profile.current)
+    step(net, x, "keep", profile)
+    assert profile.steps == 1
+    assert list(profile.last) == first == list(profile.current)
+    assert [site[0] for site in first][:2] == ["0.0", "0.1"]  # module paths
+
+
+def test_auto_with_a_profile_offloads_the_earliest_tensors_from_step_two() -> None:
+    net, x = model(), torch.randn(256, 512)
+    expected = plain(net, x)
+    budget = 3 * 256 * 512 * 4  # three of the twelve saved activations
+    auto = ts.Auto(device_budget=budget, host_probe=lambda d: (64 << 30, 128 << 30))
+    profile = ts.Profile(clock=Clock())
+    first = step(net, x, auto, profile)
+    grads_first = [p.grad.clone() for p in net.parameters()]
+    second = step(net, x, auto, profile)
+    # Step one keeps the first tensors until the budget is spent and offloads the
+    # last ones, which backward needs first: each of their reloads "stalled".
+    early, late = offloaded(first), offloaded(second)
+    eligible = len(profile.last)
+    assert early == list(range(eligible - len(early), eligible))  # the last ones: stalls
+    assert late == list(range(len(late)))  # step two offloads the tensors saved earliest
+    reasons = {row["reason"].split(";")[0] for row in second.decisions}
+    assert "offload: saved early, time to bring it back" in reasons
+    for stats in (first.stats, second.stats):
+        kept = stats.to_dict()["tiers"]["kept"]["peak_bytes"]
+        assert kept <= budget + 256 * 512 * 4
+    for e, a, b in zip(expected, grads_first, [p.grad for p in net.parameters()], strict=True):
+        assert torch.equal(e, a) and torch.equal(e, b)
+
+
+def test_plan_keeps_a_site_whose_reload_stalled_and_offloads_another_instead() -> None:
+    profile = ts.Profile(stall_s=0.01)
+    sites = [("m", "op", (1,), "float32", i) for i in range(4)]
+    profile.last = {
+        sites[0]: SiteRecord(0, 100, unpack_s=0.5, offloaded=True),  # stalled backward
+        sites[1]: SiteRecord(1, 100),
+        sites[2]: SiteRecord(2, 100),
+        sites[3]: SiteRecord(3, 100),
+    }
+    plan = profile.plan(budget=200)
+    assert plan[sites[0]].startswith("keep: its reload stalled")
+    assert plan[sites[3]].startswith("keep: backward needs it soon")
+    assert plan[sites[1]].startswith("offload") and plan[sites[2]].startswith("offload")
+
+
+def test_plan_never_keeps_more_than_the_budget() -> None:
+    profile = ts.Profile()
+    profile.last = {("m", None, (1,), "f", i): SiteRecord(i, 100) for i in range(10)}
+    plan = profile.plan(budget=350)
+    assert sum(1 for reason in plan.values() if reason.startswith("keep")) == 3
+
+
+def test_lz4_reuses_the_encoding_chosen_for_a_site_last_step() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(512, 1024, requires_grad=True)
+    profile = ts.Profile()
+    for _ in range(2):
+        with ts.stash("lz4", min_bytes=0, profile=profile):
+            y = torch.relu(x * 2)
+        y.sum().backward()
+    methods = {record.method for record in profile.current.values()}
+    assert methods == {"zeros"}
+    assert profile.method(next(iter(profile.last))) == "zeros"
+
+
+def test_stash_rejects_a_profile_of_the_wrong_type() -> None:
+    with pytest.raises(TypeError, match=r"profile must be a tensorstash\.Profile"):
+        ts.stash("keep", profile={})  # type: ignore[arg-type]
