@@ -178,7 +178,8 @@ class Auto:
     2. Host RAM available, less this tensor, would fall under ``host_reserve``:
        compress and spill it to disk ("host memory low").
     3. Otherwise: move it to host RAM, compressed (lz4 decides per tensor from a
-       sample whether compression pays; "device budget reached").
+       sample whether compression pays; "device budget reached"). A CPU
+       tensor's device is host RAM, so it is compressed and spilled to disk.
 
     Args:
         device_budget: bytes kept on the device per session: an int, a size
@@ -230,7 +231,7 @@ class _AutoState:
         self.select = Select(_unused_rule, auto.device_probe, auto.host_probe, clock=auto.clock)
         self.keep = Keep()
         self.offload = Chain(CpuOffload(), Lz4())
-        self.spill = Chain(CpuOffload(), Lz4(), DiskSpill(auto.directory))
+        self.spill = Chain(CpuOffload(), Lz4(), DiskSpill(auto.directory))  # CPU: kept, Lz4, disk
         self.budget: int | None = None
         self.reserve = 0
         self.plan: dict[Any, str] | None = None
@@ -255,11 +256,12 @@ class _AutoState:
         budget = self._limits(memory)
         nbytes = tensor.numel() * tensor.element_size()
         fits = memory.held["kept"] + nbytes <= budget
-        outwards = (
-            (self.spill, "host memory low")
-            if memory.host_available - nbytes < self.reserve
-            else (self.offload, "device budget reached")
-        )
+        if memory.host_available - nbytes < self.reserve:
+            outwards: tuple[Policy, str] = (self.spill, "host memory low")
+        elif tensor.device.type == "cpu":
+            outwards = (self.spill, "device budget reached; the device is host RAM: to disk")
+        else:
+            outwards = (self.offload, "device budget reached")
         profile = ctx.profile
         if profile is not None and profile.steps and ctx.site is not None:
             if self.plan is None:

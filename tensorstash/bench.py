@@ -228,11 +228,32 @@ STASH_POLICIES: dict[str, Callable[[], Any]] = {
     "lz4": lambda: "lz4",
     "disk": lambda: "disk",
     "lz4+disk": lambda: ts.Chain(ts.Lz4(), ts.DiskSpill()),
+    "auto": lambda: "auto",
+    "recompute": lambda: "auto",  # every block recomputed; their inputs go through Auto
 }
 BASELINE = "none"
 PEERS = ("save_on_cpu", "checkpoint")
 ALL_POLICIES: tuple[str, ...] = (BASELINE, *STASH_POLICIES, *PEERS)
 DEFAULT_POLICIES = ALL_POLICIES
+AUTO_PREFIX = "auto:"
+"""``auto:<budget>`` (e.g. ``auto:8MiB``) runs ``Auto(device_budget=<budget>)``."""
+
+# One Profile per Auto variant, kept across the variant's steps (NOTE [ Profile ]).
+_PROFILES: dict[str, ts.Profile] = {}
+
+
+def _auto_policy(name: str) -> Any:
+    return ts.Auto(device_budget=name.removeprefix(AUTO_PREFIX))
+
+
+def _is_policy(name: str) -> bool:
+    if name.startswith(AUTO_PREFIX):
+        try:
+            _auto_policy(name)
+        except ValueError:
+            return False
+        return True
+    return name in ALL_POLICIES
 
 
 def resolve_policies(names: Sequence[str]) -> list[str]:
@@ -247,11 +268,12 @@ def resolve_policies(names: Sequence[str]) -> list[str]:
     Raises:
         ValueError: a name is not a bench policy.
     """
-    unknown = [name for name in names if name not in ALL_POLICIES]
+    unknown = [name for name in names if not _is_policy(name)]
     if unknown:
         raise ValueError(
             f"tensorstash bench: unknown policy {unknown[0]!r}; valid policies are "
-            f"{', '.join(ALL_POLICIES)}; pass several comma-separated, e.g. --policies none,lz4"
+            f"{', '.join(ALL_POLICIES)} and auto:<budget> (e.g. auto:8MiB); pass several "
+            "comma-separated, e.g. --policies none,lz4"
         )
     resolved = [BASELINE]
     resolved.extend(name for name in dict.fromkeys(names) if name != BASELINE)
@@ -282,8 +304,18 @@ def variant_context(name: str, model: BenchGPT, device: torch.device) -> Iterato
             yield None
         finally:
             model.checkpoint = False
+    elif name == "recompute":
+        names = ts.recompute_modules(model, Block)
+        try:
+            with ts.stash("auto", profile=_PROFILES.setdefault(name, ts.Profile())) as session:
+                yield session
+        finally:
+            for block in names:
+                ts.unrecompute(model.get_submodule(block))
     else:
-        with ts.stash(STASH_POLICIES[name]()) as session:
+        policy = _auto_policy(name) if name.startswith(AUTO_PREFIX) else STASH_POLICIES[name]()
+        profile = _PROFILES.setdefault(name, ts.Profile()) if "auto" in name else None
+        with ts.stash(policy, profile=profile) as session:
             yield session
 
 

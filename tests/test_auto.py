@@ -71,7 +71,7 @@ def test_auto_budget_holds_within_one_tensor() -> None:
     kept = session.stats.to_dict()["tiers"]["kept"]
     largest = max(row["bytes"] for row in session.decisions)
     assert kept["peak_bytes"] <= budget + largest
-    assert session.stats.to_dict()["tiers"]["host"]["tensors"] >= 1
+    assert session.stats.to_dict()["tiers"]["disk"]["tensors"] >= 1  # CPU: spilled
     assert "device budget reached" in reasons(session)
     assert all(torch.equal(a, b) for a, b in zip(plain(model), grads, strict=True))
 
