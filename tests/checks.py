@@ -21,6 +21,21 @@ from torch import Tensor, nn
 
 import tensorstash as ts
 
+ALL_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
+"""Element types every pack and unpack is checked with."""
+
 GradMap = dict[str, Tensor | None]
 """``"param:<name>"`` or ``"input:<index>"`` -> a clone of the gradient (None if none)."""
 

@@ -12,26 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from checks import ALL_DTYPES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
 from tensorstash._codec import METHODS, Encoded, Stream, choose, decode, encode
 
-DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-]
+DTYPES = [*ALL_DTYPES, torch.complex128]
 CHUNKS = [8, 100, 1000, 4096, 512 * 1024]
 
 # Bit patterns of special values, by float format: -0.0, +inf, -inf, NaNs with

@@ -6,6 +6,7 @@ import gc
 
 import pytest
 import torch
+from checks import ALL_DTYPES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,19 +15,7 @@ from tensorstash._layout import describe, rebuild
 from tensorstash.policy import Context, Held
 from tensorstash.stats import StashStats
 
-DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-]
+DTYPES = ALL_DTYPES
 
 POLICIES = {
     "keep": ts.Keep(),
