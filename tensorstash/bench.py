@@ -46,6 +46,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint as checkpoint_fn
 
 import tensorstash as ts
 from tensorstash.stats import human_bytes
@@ -182,9 +183,7 @@ class BenchGPT(nn.Module):
         x = self.drop(self.wte(tokens) + self.wpe(positions))
         for block in self.blocks:
             if self.checkpoint and self.training:
-                from torch.utils.checkpoint import checkpoint  # the peer, as users call it
-
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint_fn(block, x, use_reentrant=False)
             else:
                 x = block(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)  # tied output head

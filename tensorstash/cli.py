@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -156,9 +155,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         requested without a CUDA device) exit through ``SystemExit(2)`` with a
         message on stderr, as argparse does.
     """
-    # torch warns once, when torch.utils.checkpoint is first imported, if numpy
-    # is missing; nothing here uses numpy.
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "bench":

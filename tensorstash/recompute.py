@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 F = TypeVar("F", bound=Callable[..., Any])
 M = TypeVar("M", bound=nn.Module)
@@ -31,10 +32,6 @@ _WRAPPED = "_tensorstash_forward"
 
 
 def _checkpointed(function: Callable[..., Any]) -> Callable[..., Any]:
-    # Imported on first use: importing torch.utils.checkpoint pulls in torch's
-    # functional tensors, which warn at import when numpy is absent.
-    from torch.utils.checkpoint import checkpoint
-
     @functools.wraps(function)
     def run(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
