@@ -104,10 +104,6 @@ def describe(tensor: Tensor) -> tuple[Layout, Tensor]:
 def _as_bytes(flat: Tensor) -> Tensor:
     if flat.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=flat.device)
-    if flat.dtype == torch.uint8:
-        return flat
-    if flat.dtype == torch.bool:
-        return flat.view(torch.uint8)
     return flat.view(torch.uint8)
 
 
@@ -127,7 +123,11 @@ def rebuild(layout: Layout, payload: Tensor) -> Tensor:
             f"tensorstash: payload of {payload.numel()} bytes for a layout of "
             f"{layout.nbytes} bytes; this is a bug in tensorstash"
         )
-    values = payload.view(layout.dtype) if layout.nbytes else _empty(layout, payload.device)
+    values = (
+        payload.view(layout.dtype)
+        if layout.nbytes
+        else torch.empty(layout.span, dtype=layout.dtype, device=payload.device)
+    )
     if not layout.compact:
         # as_strided's offset is absolute in the storage: the payload may be a
         # view into a larger one (bytes left in place by Lz4's raw path).
@@ -136,10 +136,6 @@ def rebuild(layout: Layout, payload: Tensor) -> Tensor:
     out = out.as_strided(layout.shape, layout.stride, 0)
     out.copy_(values.view(layout.shape))
     return out
-
-
-def _empty(layout: Layout, device: torch.device) -> Tensor:
-    return torch.empty(layout.span, dtype=layout.dtype, device=device)
 
 
 def memory(tensor: Tensor) -> memoryview:

@@ -227,7 +227,7 @@ class CpuOffload:
 
     def unpack(self, packed: Packed, ctx: Context) -> Tensor | Packed:
         if isinstance(packed, Held):
-            return packed.tensor if packed.tensor is not None else _missing()
+            return packed.value()
         if isinstance(packed, OnHost):
             consumer = torch.cuda.current_stream(_layout_of(packed).device)
             return self._restore(packed, ctx, consumer)
@@ -273,7 +273,3 @@ def _layout_of(packed: HostBytes) -> Layout:
     if packed.layout is None:
         raise bug("HostBytes without a layout")
     return packed.layout
-
-
-def _missing() -> Tensor:
-    raise bug("Held without a tensor")

@@ -72,6 +72,12 @@ class Held(Packed):
 
     tensor: Tensor | None = None
 
+    def value(self) -> Tensor:
+        """The tensor held."""
+        if self.tensor is None:
+            raise bug("Held without a tensor")
+        return self.tensor
+
 
 @dataclass(eq=False, slots=True, weakref_slot=True)
 class HostBytes(Packed):
@@ -108,9 +114,7 @@ def to_host(value: Tensor | Packed) -> tuple[HostBytes, Returns]:
         return value, "host"
     kind: Returns = "tensor"
     if isinstance(value, Held):
-        if value.tensor is None:
-            raise bug("Held without a tensor")
-        value, kind = value.tensor, "held"
+        value, kind = value.value(), "held"
     if not isinstance(value, Tensor):
         raise bug(f"stage input of type {type(value).__name__}")
     layout, payload = describe(value)
@@ -341,9 +345,7 @@ class Keep:
         return Held("kept", nbytes, nbytes, value.detach())
 
     def unpack(self, packed: Held, ctx: Context) -> Tensor:
-        if packed.tensor is None:
-            raise bug("Held without a tensor")
-        return packed.tensor
+        return packed.value()
 
 
 @dataclass(frozen=True, init=False)

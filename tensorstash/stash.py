@@ -49,7 +49,6 @@ DEFAULT_MIN_BYTES = 64 * 1024
 PREFETCH_DEPTH = 2
 """How many earlier packs an unpack starts bringing back."""
 
-_KEEP = Keep()
 _local = threading.local()
 
 
@@ -244,7 +243,6 @@ class Session(contextlib.ContextDecorator):
         self._ctx.profile = profile
         self._last: weakref.ref[_Saved] | None = None
         self._dedupe: dict[tuple[Any, ...], tuple[weakref.ref[Any], weakref.ref[_Saved]]] = {}
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"tensorstash.stash({self.policy!r}, min_bytes={self.min_bytes})"
@@ -349,7 +347,7 @@ class Session(contextlib.ContextDecorator):
         if record is not None and profile is not None:
             record.unpack_s += profile.clock() - began
         if isinstance(tensor, Held):
-            tensor = tensor.tensor
+            tensor = tensor.value()
         if not isinstance(tensor, Tensor):
             raise bug(f"policy {saved.policy!r} unpacked to {type(tensor).__name__}")
         self.stats.timed("unpack", time.perf_counter() - start)

@@ -137,10 +137,8 @@ class StashStats:
     @property
     def compression_ratio(self) -> float:
         """Original over stored bytes of the tensors moved off the device (1.0 if none)."""
-        moved = [self.tiers["host"], self.tiers["disk"]]
-        stored = sum(t.stored_bytes for t in moved)
-        original = sum(t.bytes for t in moved)
-        return original / stored if stored else 1.0
+        with self._lock:
+            return self._ratio_unlocked()
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy of every counter."""
