@@ -13,7 +13,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) install -c constraints.txt "torch==2.13.0"
-	$(PIP) install -c constraints.txt -e ".[dev,bench]"
+	$(PIP) install -c constraints.txt -e ".[all]"
 	touch $@
 
 install: $(VENV)/.installed
