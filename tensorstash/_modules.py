@@ -10,18 +10,25 @@ things:
    that runs, so the session keeps them untouched. Buffers matter: BatchNorm
    saves its running statistics for backward and then updates them in place
    within the same operation, without bumping their version.
+3. Stay out of ``torch.compile``: while dynamo traces a module the hooks do
+   nothing (dynamo cannot trace weak sets, and would bake them into the graph
+   if it could). A compiled region then counts as its outermost module, and its
+   parameters are recognised as leaves that require grad.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
+_COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
 _local = threading.local()
 _names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -38,6 +45,8 @@ def _stack() -> list[nn.Module]:
 
 
 def _enter(module: nn.Module, args: Any) -> None:
+    if torch.compiler.is_compiling():
+        return  # traced as a no-op: see rule 3 of the NOTE above
     # Every call, not once per module: wrappers such as FSDP swap parameters in.
     for tensor in (*module._parameters.values(), *module._buffers.values()):
         if tensor is not None:
@@ -47,12 +56,16 @@ def _enter(module: nn.Module, args: Any) -> None:
         if stack:
             _names[module] = f"{current()}.<{type(module).__name__}>"
         else:
+            root = getattr(module, "_orig_mod", module)  # torch.compile's wrapper
             for name, child in module.named_modules():
-                _names.setdefault(child, name or type(module).__name__)
+                name = name.removeprefix("_orig_mod").removeprefix(".")
+                _names.setdefault(child, name or type(root).__name__)
     stack.append(module)
 
 
 def _leave(module: nn.Module, args: Any, output: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
     stack = _stack()
     if stack and stack[-1] is module:
         stack.pop()
@@ -85,6 +98,9 @@ def track() -> None:
     with _lock:
         _users += 1
         if _users == 1:
+            # torch warns on each call of a compiled module while global hooks
+            # exist, because they fire once more for its wrapper; ours allow it.
+            warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
             _handles.append(module_hooks.register_module_forward_pre_hook(_enter))
             _handles.append(module_hooks.register_module_forward_hook(_leave, always_call=True))
 
