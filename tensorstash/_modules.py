@@ -14,6 +14,13 @@ things:
    nothing (dynamo cannot trace weak sets, and would bake them into the graph
    if it could). A compiled region then counts as its outermost module, and its
    parameters are recognised as leaves that require grad.
+
+Global forward pre-hooks run before a module's own pre-hooks, and wrappers
+swap tensors in from their own: FSDP2 (``fully_shard``) registers the
+unsharded parameters of the module it wraps in its pre-forward hook, after
+ours has read the sharded ones. So :func:`is_state`, on a miss, reads once more
+the tensors of the modules entered since its last read: by the time anything
+is saved, every pre-hook of the running modules has run.
 """
 
 from __future__ import annotations
@@ -44,13 +51,17 @@ def _stack() -> list[nn.Module]:
     return stack
 
 
+def _remember(module: nn.Module) -> None:
+    for tensor in (*module._parameters.values(), *module._buffers.values()):
+        if tensor is not None:
+            _state.add(tensor.untyped_storage())
+
+
 def _enter(module: nn.Module, args: Any) -> None:
     if torch.compiler.is_compiling():
         return  # traced as a no-op: see rule 3 of the NOTE above
     # Every call, not once per module: wrappers such as FSDP swap parameters in.
-    for tensor in (*module._parameters.values(), *module._buffers.values()):
-        if tensor is not None:
-            _state.add(tensor.untyped_storage())
+    _remember(module)
     stack = _stack()
     if module not in _names:
         if stack:
@@ -69,6 +80,7 @@ def _leave(module: nn.Module, args: Any, output: Any) -> None:
     stack = _stack()
     if stack and stack[-1] is module:
         stack.pop()
+        _local.reread = min(getattr(_local, "reread", 0), len(stack))
 
 
 def forget_stack() -> None:
@@ -79,10 +91,25 @@ def forget_stack() -> None:
     the interrupted modules on the stack and misname every later module.
     """
     _stack().clear()
+    _local.reread = 0
 
 
 def is_state(storage: Any) -> bool:
-    """Whether a storage holds a parameter or buffer of a module that ran in a session."""
+    """Whether a storage holds a parameter or buffer of a module that ran in a session.
+
+    On a miss, the tensors of the modules entered since the last miss are read
+    again (their wrappers' pre-forward hooks have run since: see the module
+    docstring), at most once per module call.
+    """
+    if storage in _state:
+        return True
+    stack = _stack()
+    reread: int = getattr(_local, "reread", 0)
+    if reread >= len(stack):
+        return False
+    for module in stack[reread:]:
+        _remember(module)
+    _local.reread = len(stack)
     return storage in _state
 
 
