@@ -1,0 +1,367 @@
+"""tensorstash under torch.distributed: DDP and FSDP2 on 2 CPU processes (gloo).
+
+One spawned job (two ranks, a FileStore in tmp_path) runs every combination
+of a wrapper (DDP, FSDP2, FSDP2 with bf16 parameters) and a policy for two
+training steps, plain autograd first, and each rank writes what it saw to a
+file; the tests below read those files. Gradients are compared after DDP's
+all-reduce or FSDP2's reduce-scatter, each rank's against plain autograd's in
+the same job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import zoo
+from checks import GradMap, assert_grads_equal, files_under, leak_check
+from torch import Tensor, nn
+
+import tensorstash as ts
+from tensorstash import _modules
+from tensorstash.distributed import GatheredStats, gather_stats, sum_stats
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available",
+)
+
+WORLD = 2
+STEPS = 2
+TIMEOUT_S = 240
+MODES = ("ddp", "fsdp", "fsdp-bf16")
+POLICIES = ("lz4", "disk", "auto", "select")
+"""Policies run after plain autograd ("none"); "select" is DiskSpill behind a rule
+that records every packed tensor sharing storage with a parameter in use."""
+WHERE = {"lz4": "host", "disk": "disk", "auto": "disk", "select": "disk"}
+
+
+# -- the job each rank runs -----------------------------------------------------------
+
+
+def _wrap(mode: str, model: nn.Module) -> nn.Module:
+    if mode == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    precision = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if mode == "fsdp-bf16" else None,
+        reduce_dtype=torch.float32 if mode == "fsdp-bf16" else None,
+    )
+    # fc1 is a unit of its own: its unsharded parameters are swapped in by the
+    # pre-forward hook of the very module that saves them.
+    fully_shard(model.fc1, mp_policy=precision)  # type: ignore[arg-type]
+    fully_shard(model, mp_policy=precision)
+    return model
+
+
+def _params_in_use(model: nn.Module) -> list[tuple[str, Tensor]]:
+    """The parameters registered now: FSDP2's unsharded ones inside its units' forward."""
+    from torch.distributed.tensor import DTensor
+
+    return [(n, p) for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+
+
+def _guard(model: nn.Module, spill: Path, notes: list[str]) -> ts.Select:
+    """DiskSpill for every eligible tensor, noting any that shares a parameter's storage."""
+
+    def rule(tensor: Tensor, memory: ts.Memory) -> Any:
+        storage = tensor.untyped_storage()
+        for name, param in _params_in_use(model):
+            if param.untyped_storage().data_ptr() == storage.data_ptr() and storage.nbytes():
+                notes.append(f"offered to a policy: {tuple(tensor.shape)}, storage of {name}")
+        for module in _modules._stack():  # the modules running now
+            for name, param in module.named_parameters(recurse=False):
+                if not _modules.is_state(param.untyped_storage()):
+                    notes.append(f"{type(module).__name__}.{name}: storage not recorded")
+        return ts.DiskSpill(directory=spill), "guard"
+
+    return ts.Select(rule)
+
+
+def _policy(name: str, model: nn.Module, spill: Path, notes: list[str]) -> Any:
+    if name == "lz4":
+        return ts.Lz4()
+    if name == "disk":
+        return ts.DiskSpill(directory=spill)
+    if name == "auto":
+        return ts.Auto(device_budget="256KiB", directory=str(spill))
+    return _guard(model, spill, notes)
+
+
+def _local_grads(model: nn.Module) -> GradMap:
+    grads: GradMap = {}
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if grad is not None and hasattr(grad, "to_local"):
+            grad = grad.to_local()  # FSDP2: this rank's shard of the reduced gradient
+        grads[f"param:{name}"] = None if grad is None else grad.detach().clone()
+    return grads
+
+
+def _train(mode: str, policy: str | None, rank: int, spill: Path) -> dict[str, Any]:
+    case = zoo.transformer(seed=0)
+    shapes = sorted({tuple(p.shape) for p in case.model.parameters()})
+    # What autograd saves of them: nn.Linear its weight transposed, layer_norm
+    # its weight and bias.
+    saved = {tuple(m.weight.shape[::-1]) for m in case.model.modules() if isinstance(m, nn.Linear)}
+    saved |= {tuple(m.weight.shape) for m in case.model.modules() if isinstance(m, nn.LayerNorm)}
+    model = _wrap(mode, case.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    notes: list[str] = []
+    run: dict[str, Any] = {
+        "grads": [],
+        "stats": [],
+        "shapes": [list(s) for s in shapes],
+        "saved": [list(s) for s in sorted(saved)],
+    }
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(100 + 10 * rank + step)
+        x = torch.randn(4, 64, 128, generator=gen)  # each rank its own batch
+        torch.manual_seed(1000 + 10 * rank + step)  # the same dropout masks in every run
+        session = None
+        if policy is not None:
+            chosen = _policy(policy, model, spill, notes)
+            session = ts.stash(chosen, min_bytes=0, record=True)
+        with session if session is not None else contextlib.nullcontext():
+            loss = case.loss(model(x).float())
+        loss.backward()
+        run["grads"].append(_local_grads(model))
+        if session is not None:
+            run["stats"].append(session.stats.to_dict())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    run["notes"] = notes
+    return run
+
+
+def _gather(rank: int) -> dict[str, Any]:
+    """This rank's stats of a small stash, and what gather_stats returned here."""
+    model = zoo.mlp(seed=rank).model
+    x = torch.randn(64 * (rank + 1), 256)
+    with ts.stash(ts.Lz4(), min_bytes=0) as session:
+        loss = model(x).square().sum()
+    loss.backward()
+    gathered = gather_stats(session.stats)
+    via_session = gather_stats(session, dst=1)
+    return {
+        "mine": session.stats.to_dict(),
+        "gathered": None if gathered is None else gathered.to_dict(),
+        "table": None if gathered is None else gathered.table(),
+        "via_session": via_session is not None,
+    }
+
+
+def _worker(rank: int, store_path: str, out: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, WORLD)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
+    )
+    spill = Path(out) / "spill"
+    results: dict[str, Any] = {}
+    try:
+        for mode in MODES:
+            try:
+                results[mode] = {
+                    name: _train(mode, None if name == "none" else name, rank, spill)
+                    for name in ("none", *POLICIES)
+                }
+            except Exception:  # reported by the test of this mode
+                results[mode] = traceback.format_exc()
+        results["gather"] = _gather(rank)
+    finally:
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[dict[str, Any]], Path]]:
+    """Run the job on 2 spawned ranks; each rank's results, and the job's directory."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("distributed")
+    (out / "spill").mkdir()
+    context = mp.spawn(_worker, args=(str(out / "store"), str(out)), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the distributed job did not finish within {TIMEOUT_S} s")
+    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    yield results, out
+
+
+def _mode(job: tuple[list[dict[str, Any]], Path], mode: str) -> list[dict[str, Any]]:
+    results = [rank[mode] for rank in job[0]]
+    for rank, result in enumerate(results):
+        assert not isinstance(result, str), f"{mode} failed on rank {rank}:\n{result}"
+    return results
+
+
+# -- gradients -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("mode", MODES)
+def test_distributed_grads_equal_plain_autograd(
+    job: tuple[list[dict[str, Any]], Path], mode: str, policy: str
+) -> None:
+    for rank, runs in enumerate(_mode(job, mode)):
+        for step in range(STEPS):
+            expected, actual = runs["none"]["grads"][step], runs[policy]["grads"][step]
+            try:
+                assert_grads_equal(expected, actual)
+            except AssertionError as error:
+                raise AssertionError(f"rank {rank}, step {step}: {error}") from None
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("mode", MODES)
+def test_distributed_policy_packs(
+    job: tuple[list[dict[str, Any]], Path], mode: str, policy: str
+) -> None:
+    tier = WHERE[policy]
+    for rank, runs in enumerate(_mode(job, mode)):
+        for step, stats in enumerate(runs[policy]["stats"]):
+            packed = stats["tiers"][tier]["tensors"]
+            assert packed > 0, f"rank {rank}, step {step}: nothing reached {tier!r}: {stats}"
+            live = {name: t["live_bytes"] for name, t in stats["tiers"].items()}
+            assert all(v == 0 for v in live.values()), f"live bytes after backward: {live}"
+
+
+def test_distributed_spill_files_removed(job: tuple[list[dict[str, Any]], Path]) -> None:
+    assert files_under([job[1] / "spill"]) == []
+
+
+# -- parameters are never offloaded ---------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("mode", MODES)
+def test_distributed_parameters_kept(
+    job: tuple[list[dict[str, Any]], Path], mode: str, policy: str
+) -> None:
+    for rank, runs in enumerate(_mode(job, mode)):
+        run = runs[policy]
+        shapes = {tuple(s) for s in run["shapes"]}
+        transposed = {s[::-1] for s in shapes if len(s) == 2}
+        for step, stats in enumerate(run["stats"]):
+            rows = stats["decisions"]
+            moved = [r for r in rows if r["tier"] != "kept" and tuple(r["shape"]) in shapes]
+            moved += [r for r in rows if r["tier"] != "kept" and tuple(r["shape"]) in transposed]
+            assert moved == [], f"rank {rank}, step {step}: parameters offloaded: {moved}"
+            recognised = {tuple(r["shape"]) for r in rows if r["reason"] == "parameter"}
+            missing = {tuple(s) for s in run["saved"]} - recognised
+            assert not missing, f"rank {rank}, step {step}: not seen as parameters: {missing}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_distributed_parameter_storage_never_offered(
+    job: tuple[list[dict[str, Any]], Path], mode: str
+) -> None:
+    for rank, runs in enumerate(_mode(job, mode)):
+        assert runs["select"]["notes"] == [], f"rank {rank}: {runs['select']['notes'][:5]}"
+
+
+# -- gathered stats --------------------------------------------------------------------
+
+
+def test_gather_stats_on_rank_zero(job: tuple[list[dict[str, Any]], Path]) -> None:
+    first, second = (rank["gather"] for rank in job[0])
+    assert second["gathered"] is None, "gather_stats returned stats on a rank other than dst"
+    gathered = first["gathered"]
+    assert gathered["ranks"] == [first["mine"], second["mine"]]
+    for tier, counters in gathered["total"]["tiers"].items():
+        for key, value in counters.items():
+            parts = [rank["mine"]["tiers"][tier][key] for rank in (first, second)]
+            assert value == sum(parts), f"total {tier}.{key}: {value} != {parts}"
+    assert first["mine"] != second["mine"], "the ranks' stats should differ (different batches)"
+    assert "tier" in first["table"] and "all 2 ranks" in first["table"]
+
+
+def test_gather_stats_dst_and_session(job: tuple[list[dict[str, Any]], Path]) -> None:
+    assert [rank["gather"]["via_session"] for rank in job[0]] == [False, True]
+
+
+def test_sum_stats_adds_counters() -> None:
+    first, second = ts.StashStats(), ts.StashStats()
+    first.add("host", 1000, 250)
+    first.skip("parameter", 64)
+    second.add("host", 3000, 750)
+    second.add("disk", 500, 500)
+    second.fallback("incompressible")
+    total = sum_stats([first.to_dict(), second.to_dict()])
+    assert total.tiers["host"].bytes == 4000 and total.tiers["host"].stored_bytes == 1000
+    assert total.tiers["disk"].tensors == 1 and total.tiers["kept"].bytes == 64
+    assert total.compression_ratio == (4000 + 500) / (1000 + 500)
+    assert total.skipped == {"parameter": 1} and total.fallbacks == {"incompressible": 1}
+    assert isinstance(GatheredStats([first.to_dict()], total).table(), str)
+
+
+def test_gather_stats_needs_a_process_group() -> None:
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        gather_stats(ts.StashStats())
+
+
+def test_gather_stats_rejects_other_types() -> None:
+    with pytest.raises(TypeError, match="StashStats"):
+        gather_stats({"tiers": {}})  # type: ignore[arg-type]
+
+
+# -- wrappers that swap tensors in from their own pre-forward hook (one process) ----------
+
+
+class _Swapped(nn.Module):
+    """Saves a tensor that a pre-forward hook registered, as FSDP2 registers parameters."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.scale = nn.Parameter(torch.rand(256, 256) + 0.5)
+        self.register_buffer("table", torch.rand(256, 256) + 0.5)
+        self.register_forward_pre_hook(self._swap_in)
+
+    @staticmethod
+    def _swap_in(module: nn.Module, args: Any) -> None:
+        # A fresh storage on every call, registered after the global hooks ran.
+        if module.kind == "parameter":
+            module._parameters["scale"] = nn.Parameter(module.scale.detach().clone())
+        else:
+            module._buffers["table"] = module.table.clone()
+
+    def forward(self, x: Tensor) -> Tensor:
+        other = self.scale.detach() if self.kind == "parameter" else self.table
+        return torch.tanh(x) * other
+
+
+@pytest.mark.parametrize("kind", ["parameter", "buffer"])
+def test_swapped_in_state_kept(kind: str, tmp_path: Path) -> None:
+    def run(ctx: contextlib.AbstractContextManager[Any] | None) -> Tensor:
+        torch.manual_seed(0)
+        model = _Swapped(kind)
+        x = torch.randn(256, 256, requires_grad=True)
+        with ctx if ctx is not None else contextlib.nullcontext():
+            loss = model(x).sum()
+        loss.backward()
+        assert x.grad is not None
+        return x.grad
+
+    expected = run(None)
+    session = ts.stash(ts.DiskSpill(directory=tmp_path), min_bytes=0, record=True)
+    assert torch.equal(expected, run(session))
+    rows = [(r["op"], r["tier"], r["reason"]) for r in session.decisions]
+    assert (None, "kept", "buffer") in rows, f"the swapped-in tensor was offloaded: {rows}"
+    assert any(tier == "disk" for _, tier, _ in rows), f"nothing spilled: {rows}"
+    leak_check(session, directories=[tmp_path])
