@@ -1,0 +1,34 @@
+"""The pytest-benchmark suites in benchmarks/ run and pass, at their smallest size.
+
+``make test`` does not collect benchmarks/ (``testpaths = ["tests"]``); this
+runs them once each (``--benchmark-disable``) in a subprocess, with
+``TENSORSTASH_BENCH_SIZE=tiny``. Their own checks (bitwise round trips,
+gradients equal to plain autograd, figures present) run there.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITES = ["benchmarks/test_step.py", "benchmarks/test_throughput.py", "benchmarks/test_hooks.py"]
+
+
+def test_benchmark_suites_pass_at_tiny_size(tmp_path: Path) -> None:
+    env = {**os.environ, "TENSORSTASH_BENCH_SIZE": "tiny", "TMPDIR": str(tmp_path)}
+    command = [sys.executable, "-m", "pytest", *SUITES, "--benchmark-disable", "-q"]
+    command += ["-p", "no:cacheprovider", f"--basetemp={tmp_path / 'pytest'}"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    passed = re.search(r"(\d+) passed", result.stdout)
+    assert passed is not None and int(passed.group(1)) >= 40, result.stdout[-2000:]
+    assert "skipped" not in result.stdout
+    # The figures against the raw limits and the no-hook baselines were computed.
+    assert "raw lz4 (MB/s)" in result.stdout
+    assert "raw file (MB/s)" in result.stdout
+    assert "µs per tensor over no hooks" in result.stdout
+    assert list((tmp_path / "pytest").glob("**/tensorstash-*")) == []  # spill files removed
