@@ -1,0 +1,349 @@
+"""Hugging Face integration: :class:`StashTrainerCallback` stashes every training forward.
+
+# NOTE [ Trainer ]
+1. Where the session opens. ``Trainer.training_step`` calls ``model(**inputs)``
+   (inside ``compute_loss``) and then ``accelerator.backward(loss)``, once per
+   micro-batch; callbacks fire only around whole steps (``on_step_begin``
+   before the first micro-batch, ``on_substep_end`` after each but the last,
+   ``on_step_end`` after the optimizer step). So ``on_train_begin`` registers
+   a forward pre-hook and an ``always_call`` forward hook on the model: the
+   session opens when the model's forward starts and closes when it returns,
+   before backward. The packed values live with the autograd graph and are
+   released when backward frees it, as outside the Trainer. The hooks are
+   called by the wrappers the Trainer puts around the model (DDP, accelerate's
+   mixed-precision forward), and ``on_train_end`` removes them.
+2. Which forwards. A session opens only between ``on_step_begin`` and
+   ``on_step_end``, with the model in training mode and gradients enabled:
+   every micro-batch of gradient accumulation, never evaluation or prediction
+   (the Trainer evaluates after ``on_step_end``, in eval mode, without
+   gradients, when nothing is saved anyway). A forward that calls the model
+   again inside itself stays in the outer session.
+3. Exceptions. The forward hook is ``always_call``, so an exception raised in
+   the forward closes the session. PyTorch runs no forward hook for a
+   ``KeyboardInterrupt`` (nor any other ``BaseException``): a session
+   interrupted that way is closed at the callback's next Trainer event, or by
+   :meth:`StashTrainerCallback.close`. Closing twice does nothing.
+4. Stats. ``on_step_end`` merges the sessions of the step (one per
+   micro-batch) into :attr:`StashTrainerCallback.stats`, and adds them to the
+   interval since the last log. ``on_log`` adds the interval, averaged per
+   optimizer step, to the Trainer's training logs (those with ``"loss"``,
+   written every ``logging_steps``) and to that entry of
+   ``state.log_history``. Reporting integrations (TensorBoard, W&B) run their
+   ``on_log`` before the callbacks given to the Trainer: call
+   :meth:`StashTrainerCallback.attach` to run this one first.
+5. What the selector learned lives in a :class:`~tensorstash.Profile` shared
+   by every training forward (made by the callback for ``policy="auto"``):
+   each micro-batch is a step of the profile.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tensorstash.auto import Auto
+from tensorstash.policy import Policy
+from tensorstash.profile import Profile
+from tensorstash.stash import DEFAULT_MIN_BYTES, Session, resolve, stash
+from tensorstash.stats import TIERS, StashStats
+
+try:
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+except ImportError as error:
+    raise ImportError(
+        "tensorstash.hf needs Hugging Face transformers (and accelerate, which its Trainer "
+        "uses), which are not installed: pip install tensorstash[hf]"
+    ) from error
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+    from transformers import Trainer
+
+PREFIX = "tensorstash/"
+"""What the keys this callback adds to the Trainer's logs start with."""
+
+
+class StashTrainerCallback(TrainerCallback):
+    """Stash the forward of every training step of a ``transformers.Trainer``.
+
+    Each training forward (each micro-batch under gradient accumulation) runs
+    inside its own ``tensorstash.stash(policy, ...)``; backward runs after it,
+    as in a plain loop. Evaluation and prediction are never stashed. See
+    NOTE [ Trainer ] in this module.
+
+    Args:
+        policy: a policy or its name, as for :func:`tensorstash.stash`.
+        min_bytes: tensors smaller than this many bytes are kept as they are.
+        workers: threads for compression and reads, per session.
+        record: keep a decision log; the last step's rows are in
+            ``callback.stats.decisions``.
+        profile: the :class:`~tensorstash.Profile` every training forward
+            updates; ``None`` makes one for ``Auto`` policies.
+        log_stats: add the stats to the Trainer's training logs
+            (``tensorstash/host_bytes``, ``tensorstash/compression_ratio``,
+            ``tensorstash/wait_seconds``, ...; see :func:`metrics`).
+
+    Attributes:
+        stats: the last optimizer step's stats, all its micro-batches together
+            (``None`` before the first step ends).
+        forwards: how many training forwards ran inside a stash.
+
+    Raises:
+        TypeError, ValueError: a bad policy or argument, with what to pass instead.
+
+    Example:
+        >>> from tensorstash.hf import StashTrainerCallback
+        >>> callback = StashTrainerCallback(tensorstash.Lz4())
+        >>> trainer = Trainer(model, args, train_dataset=data, callbacks=[callback])
+        >>> trainer.train()
+        >>> print(callback.stats.table())
+
+    .. warning::
+        The session covers the model's forward. A loss computed outside the
+        model (``compute_loss_func``, label smoothing) saves its tensors
+        unstashed. A ``KeyboardInterrupt`` inside the forward leaves the
+        session open until the next Trainer event or :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        policy: Policy | str = "auto",
+        *,
+        min_bytes: int = DEFAULT_MIN_BYTES,
+        workers: int = 2,
+        record: bool = False,
+        profile: Profile | None = None,
+        log_stats: bool = True,
+    ) -> None:
+        if not isinstance(log_stats, bool):
+            raise TypeError(
+                f"tensorstash.hf.StashTrainerCallback: log_stats must be True or False; "
+                f"got {log_stats!r}"
+            )
+        resolved = resolve(policy)
+        if profile is None and isinstance(resolved, Auto):
+            profile = Profile()
+        # Checks the arguments now, with stash()'s messages, instead of at the first step.
+        stash(resolved, min_bytes=min_bytes, workers=workers, record=record, profile=profile)
+        self.policy = resolved
+        self.min_bytes = min_bytes
+        self.workers = workers
+        self.record = record
+        self.profile = profile
+        self.log_stats = log_stats
+        self.stats: StashStats | None = None
+        self.forwards = 0
+        self._armed = False
+        self._handles: list[RemovableHandle] = []
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._step: list[StashStats] = []
+        self._interval: list[StashStats] = []
+
+    def __repr__(self) -> str:
+        return f"StashTrainerCallback({self.policy!r}, min_bytes={self.min_bytes})"
+
+    def attach(self, trainer: Trainer) -> None:
+        """Put this callback first among ``trainer``'s callbacks.
+
+        The reporting integrations (``report_to``: TensorBoard, W&B, ...) come
+        before the callbacks given to the Trainer, so they log before this
+        callback adds its keys; attached first, its keys reach them too.
+        """
+        callbacks = trainer.callback_handler.callbacks
+        if self in callbacks:
+            callbacks.remove(self)
+        callbacks.insert(0, self)
+
+    def close(self) -> None:
+        """Close the sessions this thread left open (rule 3 of NOTE [ Trainer ]).
+
+        Needed only after a ``KeyboardInterrupt`` inside the model's forward;
+        the callback calls it at each Trainer event. Closing twice does nothing.
+        """
+        open_ = self._open_sessions()
+        while open_:
+            session = open_.pop()
+            if session is not None:
+                self._exit(session)
+
+    # Forward hooks (rules 1 to 3) -----------------------------------------------------
+
+    def _open_sessions(self) -> list[Session | None]:
+        """This thread's model calls in progress, outermost first: a session or None."""
+        open_: list[Session | None] | None = getattr(self._local, "open", None)
+        if open_ is None:
+            open_ = self._local.open = []
+        return open_
+
+    def _forward_begins(self, module: nn.Module, args: Any) -> None:
+        open_ = self._open_sessions()
+        nested = bool(open_)
+        # Pushed first, so that the forward hook pops this call's entry even if
+        # opening the session raises.
+        open_.append(None)
+        if nested or not self._armed or not module.training or not torch.is_grad_enabled():
+            return
+        session = stash(
+            self.policy,
+            min_bytes=self.min_bytes,
+            workers=self.workers,
+            record=self.record,
+            profile=self.profile,
+        )
+        session.__enter__()
+        open_[-1] = session
+        self.forwards += 1
+
+    def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
+        open_ = self._open_sessions()
+        if open_:
+            session = open_.pop()
+            if session is not None:
+                self._exit(session)
+
+    def _exit(self, session: Session) -> None:
+        session.__exit__(None, None, None)
+        with self._lock:
+            self._step.append(session.stats)
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # Trainer events ------------------------------------------------------------------
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.close()
+        self._armed = False
+        self._remove_hooks()
+        if model is None:
+            raise ValueError(
+                "tensorstash.hf.StashTrainerCallback: the Trainer passed no model to "
+                "on_train_begin; give the Trainer a model (not only a model_init)"
+            )
+        self._handles = [
+            model.register_forward_pre_hook(self._forward_begins, prepend=True),
+            model.register_forward_hook(self._forward_ends, always_call=True),
+        ]
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.close()
+        self._armed = True
+
+    def on_substep_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.close()
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.close()
+        self._armed = False
+        with self._lock:
+            parts, self._step = self._step, []
+        if parts:
+            self.stats = merge_stats(parts)
+            self._interval.append(self.stats)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.close()
+        self._armed = False
+        self._remove_hooks()
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not self.log_stats or logs is None or "loss" not in logs or not self._interval:
+            return
+        steps, self._interval = self._interval, []
+        values = interval_metrics(steps)
+        logs.update(values)
+        last = state.log_history[-1] if state.log_history else None
+        if last is not None and last.get("step") == state.global_step and "loss" in last:
+            last.update(values)
+
+
+# -- stats ------------------------------------------------------------------------------
+
+
+def merge_stats(parts: list[StashStats]) -> StashStats:
+    """One :class:`~tensorstash.StashStats` for several sessions run one after the other.
+
+    Counters, seconds and decision rows add up; a tier's peak is the largest
+    of the sessions' peaks.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    merged = StashStats()
+    for part in parts:
+        data = part.to_dict()
+        for tier in TIERS:
+            into, came = merged.tiers[tier], data["tiers"][tier]
+            into.tensors += came["tensors"]
+            into.bytes += came["bytes"]
+            into.stored_bytes += came["stored_bytes"]
+            into.live_bytes += came["live_bytes"]
+            into.peak_bytes = max(into.peak_bytes, came["peak_bytes"])
+        merged.pack_seconds += data["pack_seconds"]
+        merged.unpack_seconds += data["unpack_seconds"]
+        merged.wait_seconds += data["wait_seconds"]
+        merged.unpacks += data["unpacks"]
+        merged.deduplicated += data["deduplicated"]
+        merged.skipped.update(data["skipped"])
+        merged.fallbacks.update(data["fallbacks"])
+        merged.decisions.extend(data["decisions"])
+    return merged
+
+
+def metrics(stats: StashStats, prefix: str = PREFIX) -> dict[str, float]:
+    """The numbers of one step's stats, as the callback logs them.
+
+    Per tier (``kept``, ``host``, ``disk``): ``<tier>_tensors``,
+    ``<tier>_bytes`` (original size), ``<tier>_stored_bytes`` (after
+    compression) and ``<tier>_peak_bytes``; then ``compression_ratio``,
+    ``pack_seconds``, ``unpack_seconds`` and ``wait_seconds``. Keys start with
+    ``prefix``.
+    """
+    data = stats.to_dict()
+    out: dict[str, float] = {}
+    for tier, counters in data["tiers"].items():
+        for field in ("tensors", "bytes", "stored_bytes", "peak_bytes"):
+            out[f"{prefix}{tier}_{field}"] = float(counters[field])
+    for key in ("compression_ratio", "pack_seconds", "unpack_seconds", "wait_seconds"):
+        out[f"{prefix}{key}"] = float(data[key])
+    return out
+
+
+def interval_metrics(steps: list[StashStats], prefix: str = PREFIX) -> dict[str, float]:
+    """:func:`metrics` of several steps: the mean per step, the largest peaks.
+
+    The compression ratio is that of all the steps' bytes together.
+    """
+    merged = merge_stats(steps)
+    out = metrics(merged, prefix)
+    for key in out:
+        if not key.endswith(("_peak_bytes", "compression_ratio")):
+            out[key] /= len(steps)
+    return out

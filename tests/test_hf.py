@@ -1,0 +1,335 @@
+"""tensorstash.hf.StashTrainerCallback in a real ``transformers.Trainer`` loop.
+
+The oracle is the same Trainer run without the callback: the final weights
+must be equal bit for bit (dropout on, so the RNG must not be disturbed).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from checks import leak_check, top_saved_tensors_hooks
+from torch import Tensor, nn
+
+import tensorstash as ts
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tensorstash.hf import StashTrainerCallback  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MAX_STEPS = 3
+
+
+class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Random token ids, the labels being the inputs (a language-model batch)."""
+
+    def __init__(self, n: int = 16, length: int = 32, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, 128, (n, length), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def tiny_gpt2() -> nn.Module:
+    """A two-layer GPT-2 built from a config, dropout on, the same weights every call."""
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=2,
+        vocab_size=128,
+        n_positions=64,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def train(
+    output_dir: Path,
+    callbacks: list[Any] | None = None,
+    *,
+    model: nn.Module | None = None,
+    eval_dataset: Any = None,
+    attach: StashTrainerCallback | None = None,
+    **overrides: Any,
+) -> Any:
+    """Train the tiny model; returns the Trainer (its model holds the final weights)."""
+    settings: dict[str, Any] = {
+        "output_dir": str(output_dir),
+        "max_steps": MAX_STEPS,
+        "per_device_train_batch_size": 4,
+        "report_to": [],
+        "use_cpu": True,
+        "save_strategy": "no",
+        "seed": 0,
+        "dataloader_num_workers": 0,
+        "logging_steps": 1,
+        "disable_tqdm": True,
+    }
+    settings.update(overrides)
+    trainer = transformers.Trainer(
+        model=model if model is not None else tiny_gpt2(),
+        args=transformers.TrainingArguments(**settings),
+        train_dataset=Tokens(),
+        eval_dataset=eval_dataset,
+        callbacks=callbacks,
+    )
+    if attach is not None:
+        attach.attach(trainer)
+    trainer.train()
+    return trainer
+
+
+_PLAIN: dict[int, dict[str, Tensor]] = {}
+
+
+def plain_weights(tmp_path: Path, accumulation: int) -> dict[str, Tensor]:
+    """The final weights of a run without tensorstash (computed once per setting)."""
+    if accumulation not in _PLAIN:
+        trainer = train(tmp_path / "plain", gradient_accumulation_steps=accumulation)
+        _PLAIN[accumulation] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    return _PLAIN[accumulation]
+
+
+def assert_weights_equal(expected: dict[str, Tensor], model: nn.Module) -> None:
+    actual = model.state_dict()
+    assert expected.keys() == actual.keys()
+    moved = [name for name in expected if not torch.equal(expected[name], tiny_gpt2_init()[name])]
+    assert moved, "training changed no weight: the comparison would be vacuous"
+    for name, want in expected.items():
+        assert torch.equal(want, actual[name]), f"weight {name} differs from plain training"
+
+
+_INIT: dict[str, Tensor] = {}
+
+
+def tiny_gpt2_init() -> dict[str, Tensor]:
+    if not _INIT:
+        _INIT.update(tiny_gpt2().state_dict())
+    return _INIT
+
+
+def tier_tensors(callback: StashTrainerCallback, tier: str) -> int:
+    assert callback.stats is not None, "no training step was stashed"
+    return int(callback.stats.tiers[tier].tensors)  # type: ignore[index]
+
+
+# -- the weights -------------------------------------------------------------------------
+
+POLICIES: dict[str, tuple[Callable[[Path], Any], str | None]] = {
+    # id: (policy given a spill directory, the tier tensors must reach or None)
+    "lz4": (lambda _: ts.Lz4(), "host"),
+    "disk": (lambda d: ts.DiskSpill(directory=d), "disk"),
+    "auto": (lambda _: "auto", None),
+    "auto-small-budget": (lambda _: ts.Auto(device_budget="64KiB"), "disk"),
+}
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_callback_weights_equal_plain_training(
+    name: str, tmp_path: Path, spill_dir: Path, private_tmp: Path
+) -> None:
+    make, tier = POLICIES[name]
+    callback = StashTrainerCallback(make(spill_dir), min_bytes=0)
+    trainer = train(tmp_path / "run", [callback])
+    assert_weights_equal(plain_weights(tmp_path, 1), trainer.model)
+    assert callback.forwards == MAX_STEPS
+    if tier is not None:
+        assert tier_tensors(callback, tier) > 0, callback.stats.table()  # type: ignore[union-attr]
+    leak_check(directories=[spill_dir, private_tmp])
+
+
+def test_callback_gradient_accumulation_stashes_every_micro_batch(
+    tmp_path: Path, spill_dir: Path
+) -> None:
+    callback = StashTrainerCallback(ts.DiskSpill(directory=spill_dir), min_bytes=0)
+    trainer = train(tmp_path / "run", [callback], gradient_accumulation_steps=2)
+    assert_weights_equal(plain_weights(tmp_path, 2), trainer.model)
+    assert callback.forwards == 2 * MAX_STEPS
+    single = StashTrainerCallback(ts.DiskSpill(directory=spill_dir), min_bytes=0)
+    train(tmp_path / "single", [single], max_steps=1)
+    assert tier_tensors(callback, "disk") == 2 * tier_tensors(single, "disk") > 0
+    leak_check(directories=[spill_dir])
+
+
+# -- which forwards ----------------------------------------------------------------------
+
+
+def test_callback_never_stashes_evaluation_or_prediction(tmp_path: Path) -> None:
+    seen: list[tuple[bool, bool]] = []  # (training, hooks pushed) per block forward
+
+    def probe(module: nn.Module, args: Any, output: Any) -> None:
+        seen.append((module.training, top_saved_tensors_hooks() is not None))
+
+    model = tiny_gpt2()
+    model.transformer.h[0].register_forward_hook(probe)
+    callback = StashTrainerCallback(ts.Lz4(), min_bytes=0)
+    trainer = train(
+        tmp_path / "run",
+        [callback],
+        model=model,
+        eval_dataset=Tokens(n=8, seed=1),
+        eval_strategy="steps",
+        eval_steps=1,
+        per_device_eval_batch_size=4,
+    )
+    trainer.predict(Tokens(n=4, seed=2))
+    training = [pushed for is_training, pushed in seen if is_training]
+    evaluation = [pushed for is_training, pushed in seen if not is_training]
+    assert training == [True] * MAX_STEPS
+    assert len(evaluation) == 2 * MAX_STEPS + 1 and not any(evaluation)
+    assert callback.forwards == MAX_STEPS
+    assert not model._forward_pre_hooks and not model._forward_hooks, "hooks left on the model"
+
+
+# -- exceptions --------------------------------------------------------------------------
+
+
+def failing_model(exception: type[BaseException], on_call: int) -> nn.Module:
+    """The tiny model, whose second block raises ``exception("boom")`` in its
+    ``on_call``-th training forward (after the first block saved its tensors).
+
+    A new exception each time: a raised exception keeps its traceback, and the
+    traceback the frames that hold the partial graph.
+    """
+    model = tiny_gpt2()
+    calls = [0]
+
+    def fail(module: nn.Module, args: Any, output: Any) -> None:
+        if module.training:
+            calls[0] += 1
+            if calls[0] == on_call:
+                raise exception("boom")
+
+    model.transformer.h[1].register_forward_hook(fail)
+    return model
+
+
+def train_expecting(exception: type[BaseException], *args: Any, **kwargs: Any) -> None:
+    # In a function of its own, so the traceback (which holds the partial
+    # graph) is gone when the caller checks for leftover files.
+    with pytest.raises(exception, match="boom"):
+        train(*args, **kwargs)
+
+
+def test_callback_exception_in_forward_leaves_no_hooks_or_files(
+    tmp_path: Path, spill_dir: Path
+) -> None:
+    callback = StashTrainerCallback(ts.DiskSpill(directory=spill_dir), min_bytes=0)
+    model = failing_model(RuntimeError, on_call=2)
+    train_expecting(RuntimeError, tmp_path / "run", [callback], model=model)
+    assert top_saved_tensors_hooks() is None, "the session is still pushed"
+    assert callback.forwards == 2
+    leak_check(directories=[spill_dir])
+    callback.close()  # closing again does nothing
+    assert top_saved_tensors_hooks() is None
+    # The same model and callback train again; the hooks are replaced, not doubled.
+    trainer = train(tmp_path / "again", [callback], model=model, max_steps=1)
+    assert callback.forwards == 3
+    assert not trainer.model._forward_pre_hooks, "hooks left on the model"
+    leak_check(directories=[spill_dir])
+
+
+def test_callback_close_ends_session_interrupted_in_forward(
+    tmp_path: Path, spill_dir: Path
+) -> None:
+    # PyTorch runs no forward hook for a KeyboardInterrupt: close() (or the
+    # callback's next Trainer event) ends the session.
+    callback = StashTrainerCallback(ts.DiskSpill(directory=spill_dir), min_bytes=0)
+    model = failing_model(KeyboardInterrupt, on_call=1)
+    train_expecting(KeyboardInterrupt, tmp_path / "run", [callback], model=model)
+    callback.close()
+    callback.close()
+    leak_check(directories=[spill_dir])
+
+
+# -- logs --------------------------------------------------------------------------------
+
+KEYS = {
+    f"tensorstash/{tier}_{field}"
+    for tier in ("kept", "host", "disk")
+    for field in ("tensors", "bytes", "stored_bytes", "peak_bytes")
+} | {
+    f"tensorstash/{key}"
+    for key in ("compression_ratio", "pack_seconds", "unpack_seconds", "wait_seconds")
+}
+
+
+class LogRecorder(transformers.TrainerCallback):  # type: ignore[misc]
+    """Keeps a copy of every log the Trainer hands to callbacks, at its turn."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict[str, Any]] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+        self.logs.append(dict(logs))
+
+
+def test_callback_logs_stats_every_logging_steps(tmp_path: Path, spill_dir: Path) -> None:
+    callback = StashTrainerCallback(ts.DiskSpill(directory=spill_dir), min_bytes=0)
+    after = LogRecorder()
+    trainer = train(tmp_path / "run", [callback, after], max_steps=4, logging_steps=2)
+    history = trainer.state.log_history
+    training = [entry for entry in history if "loss" in entry]
+    assert [entry["step"] for entry in training] == [2, 4]
+    per_step = float(tier_tensors(callback, "disk"))
+    for entry in training:
+        assert entry.keys() >= KEYS, f"missing {sorted(KEYS - entry.keys())}"
+        assert entry["tensorstash/disk_tensors"] == per_step > 0  # the mean of two equal steps
+    others = [entry for entry in history if "loss" not in entry]
+    assert others and not any(KEYS & entry.keys() for entry in others)
+    assert [sorted(KEYS & log.keys()) for log in after.logs if "loss" in log] == [sorted(KEYS)] * 2
+
+
+def test_callback_attach_reaches_integrations_first(tmp_path: Path) -> None:
+    callback = StashTrainerCallback(ts.Lz4(), min_bytes=0)
+    before = LogRecorder()  # stands for a report_to integration, which runs first
+    train(tmp_path / "run", [before], attach=callback, max_steps=1)
+    assert before.logs[0].keys() >= KEYS
+
+
+def test_callback_log_stats_false_logs_nothing(tmp_path: Path) -> None:
+    callback = StashTrainerCallback(ts.Lz4(), min_bytes=0, log_stats=False)
+    trainer = train(tmp_path / "run", [callback], max_steps=1)
+    assert callback.forwards == 1
+    assert not any(KEYS & entry.keys() for entry in trainer.state.log_history)
+
+
+# -- configuration -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"log_stats": "yes"}, TypeError, "log_stats must be True or False"),
+        ({"min_bytes": -1}, TypeError, "min_bytes must be a non-negative int"),
+        ({"policy": "nope"}, ValueError, "unknown policy name 'nope'"),
+    ],
+)
+def test_callback_rejects_bad_arguments(kwargs: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        StashTrainerCallback(**kwargs)
+
+
+def test_import_without_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.delitem(sys.modules, "tensorstash.hf")
+    with pytest.raises(ImportError, match=r"pip install tensorstash\[hf\]"):
+        importlib.import_module("tensorstash.hf")
