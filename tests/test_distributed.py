@@ -49,7 +49,12 @@ WHERE = {"lz4": "host", "disk": "disk", "auto": "disk", "select": "disk"}
 
 def _wrap(mode: str, model: nn.Module) -> nn.Module:
     if mode == "ddp":
-        return nn.parallel.DistributedDataParallel(model)
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        # Gradients as views of DDP's buckets, reduced by a communication hook.
+        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        return ddp
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     precision = MixedPrecisionPolicy(
