@@ -19,7 +19,9 @@ SUITES = ["benchmarks/test_step.py", "benchmarks/test_throughput.py", "benchmark
 
 
 def test_benchmark_suites_pass_at_tiny_size(tmp_path: Path) -> None:
+    # One torch thread: on a loaded 2-core machine, idle OpenMP threads spin against busy ones.
     env = {**os.environ, "TENSORSTASH_BENCH_SIZE": "tiny", "TMPDIR": str(tmp_path)}
+    env["OMP_NUM_THREADS"] = "1"
     command = [sys.executable, "-m", "pytest", *SUITES, "--benchmark-disable", "-q"]
     command += ["-p", "no:cacheprovider", f"--basetemp={tmp_path / 'pytest'}"]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
