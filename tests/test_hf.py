@@ -97,15 +97,16 @@ def train(
     return trainer
 
 
-_PLAIN: dict[int, dict[str, Tensor]] = {}
+_PLAIN: dict[tuple[tuple[str, Any], ...], dict[str, Tensor]] = {}
 
 
-def plain_weights(tmp_path: Path, accumulation: int) -> dict[str, Tensor]:
+def plain_weights(tmp_path: Path, **overrides: Any) -> dict[str, Tensor]:
     """The final weights of a run without tensorstash (computed once per setting)."""
-    if accumulation not in _PLAIN:
-        trainer = train(tmp_path / "plain", gradient_accumulation_steps=accumulation)
-        _PLAIN[accumulation] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    return _PLAIN[accumulation]
+    key = tuple(sorted(overrides.items()))
+    if key not in _PLAIN:
+        trainer = train(tmp_path / "plain", **overrides)
+        _PLAIN[key] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    return _PLAIN[key]
 
 
 def assert_weights_equal(expected: dict[str, Tensor], model: nn.Module) -> None:
@@ -149,7 +150,7 @@ def test_callback_weights_equal_plain_training(
     make, tier = POLICIES[name]
     callback = StashTrainerCallback(make(spill_dir), min_bytes=0)
     trainer = train(tmp_path / "run", [callback])
-    assert_weights_equal(plain_weights(tmp_path, 1), trainer.model)
+    assert_weights_equal(plain_weights(tmp_path), trainer.model)
     assert callback.forwards == MAX_STEPS
     if tier is not None:
         assert tier_tensors(callback, tier) > 0, callback.stats.table()  # type: ignore[union-attr]
@@ -161,12 +162,35 @@ def test_callback_gradient_accumulation_stashes_every_micro_batch(
 ) -> None:
     callback = StashTrainerCallback(ts.DiskSpill(directory=spill_dir), min_bytes=0)
     trainer = train(tmp_path / "run", [callback], gradient_accumulation_steps=2)
-    assert_weights_equal(plain_weights(tmp_path, 2), trainer.model)
+    assert_weights_equal(plain_weights(tmp_path, gradient_accumulation_steps=2), trainer.model)
     assert callback.forwards == 2 * MAX_STEPS
     single = StashTrainerCallback(ts.DiskSpill(directory=spill_dir), min_bytes=0)
     train(tmp_path / "single", [single], max_steps=1)
     assert tier_tensors(callback, "disk") == 2 * tier_tensors(single, "disk") > 0
     leak_check(directories=[spill_dir])
+
+
+_CHECKPOINTING = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in transformers.TrainingArguments.__dataclass_fields__
+    else "gradient_checkpointing"
+)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"bf16": True}, {_CHECKPOINTING: True}],
+    ids=["bf16-autocast", "activation-checkpointing"],
+)
+def test_callback_weights_equal_under_trainer_features(
+    overrides: dict[str, Any], tmp_path: Path
+) -> None:
+    # bf16: accelerate wraps the model's forward in autocast; checkpointing:
+    # the blocks push their own saved-tensor hooks inside the session.
+    callback = StashTrainerCallback(ts.Lz4(), min_bytes=0)
+    trainer = train(tmp_path / "run", [callback], **overrides)
+    assert_weights_equal(plain_weights(tmp_path, **overrides), trainer.model)
+    assert tier_tensors(callback, "host") > 0, callback.stats.table()  # type: ignore[union-attr]
 
 
 # -- which forwards ----------------------------------------------------------------------
