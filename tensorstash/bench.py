@@ -7,7 +7,7 @@ model, and the numbers are only comparable if nothing but the variant differs:
 1. Variants are interleaved step by step (A B C A B C ...), so a burst of
    machine noise hits every variant alike instead of one variant's steps.
 2. Every step starts from the same weights (a ``state_dict`` copy is
-   restored), the same token batch and the same RNG seed (dropout masks), so
+   restored), the same batch and the same RNG seed (dropout masks), so
    a lossless variant must produce gradients bitwise equal to plain autograd.
 3. The first rounds are untimed: a warm-up round runs one-time work (lazy
    imports, thread pools, kernel caches), then one round measures the resident
@@ -27,6 +27,13 @@ model, and the numbers are only comparable if nothing but the variant differs:
    ``peak_rss_bytes``: the growth of the process's resident set over rule 3's
    memory step, for every variant. glibc keeps freed memory in its heap, so
    without rule 3's trim a step would reuse it and show no growth at all.
+6. Variants that run ``Auto`` learn a :class:`~tensorstash.Profile` across
+   their steps. Its profile starts afresh at the first timed round, so the
+   first timed step shows Auto without a plan and the later ones Auto
+   following the plan learned from the step before (``step_times``).
+7. Timelines (``--plot``) and allocator snapshots (``--memory-snapshot``)
+   come from extra untimed rounds after the timed ones: their hooks cost time,
+   so no timed step carries them.
 """
 
 from __future__ import annotations
@@ -34,12 +41,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import importlib.util
+import re
 import statistics
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -219,6 +229,162 @@ def make_batch(
     return tokens[:, :-1], tokens[:, 1:]
 
 
+# -- what the bench trains -----------------------------------------------------------
+
+Batch = tuple[Any, ...]
+"""The positional arguments of the model's forward; ``model(*batch)`` returns the loss."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the bench trains: a model whose ``model(*batch)`` returns a scalar loss.
+
+    Attributes:
+        model: the model; the bench moves it to its device and dtype.
+        batch: the forward's arguments, the same at every step (tensors are
+            moved to the device, floating-point ones cast to the dtype).
+        blocks: the submodules that "checkpoint" and "recompute" wrap, in any
+            form :func:`tensorstash.recompute_modules` takes (a module class,
+            submodule names, or a predicate); None when the model has none,
+            and then those two policies cannot run.
+        description: one line that names the model in the table's title.
+    """
+
+    model: nn.Module
+    batch: Batch
+    blocks: Any
+    description: str
+
+
+def builtin_workload(config_name: str, seed: int) -> Workload:
+    """The embedded :class:`BenchGPT` of size ``config_name`` and its batch, seeded by ``seed``."""
+    config = resolve_config(config_name)
+    torch.manual_seed(seed)
+    return Workload(
+        BenchGPT(config),
+        make_batch(config, seed=seed),
+        Block,
+        f"model {config_name} ({config.describe()})",
+    )
+
+
+class ModelScriptError(ValueError):
+    """A ``--model-script`` that cannot be loaded or does not follow its protocol."""
+
+
+MODEL_SCRIPT_PROTOCOL = (
+    "def factory() -> (model, batch) or (model, batch, blocks): model(*batch) returns "
+    "a scalar loss tensor; batch is a tuple of the forward's arguments (a single tensor "
+    "is accepted); blocks, for the checkpoint and recompute policies, is a module class "
+    "or a list of submodule names"
+)
+
+
+def script_workload(spec: str, seed: int) -> Workload:
+    """Load ``path.py:function`` and call the function to get a :class:`Workload`.
+
+    The function takes no arguments and returns ``(model, batch)`` or
+    ``(model, batch, blocks)`` (see :data:`MODEL_SCRIPT_PROTOCOL`). The global
+    RNG is seeded with ``seed`` first, so its random weights repeat.
+
+    Args:
+        spec: ``"path/to/script.py:factory"``.
+        seed: seeds the global RNG before the function runs.
+
+    Returns:
+        The workload, described by ``spec``.
+
+    Raises:
+        ModelScriptError: no ``:function`` part, a missing file, a missing or
+            non-callable function, or a return value that breaks the protocol.
+            Errors raised by the script itself propagate unchanged.
+
+    Example:
+        >>> workload = script_workload("my_model.py:make", seed=0)
+    """
+    path_text, sep, function = spec.rpartition(":")
+    if not sep or not path_text or not function:
+        raise ModelScriptError(
+            f"tensorstash bench: --model-script {spec!r} must be PATH.py:FUNCTION, "
+            "e.g. --model-script my_model.py:make"
+        )
+    path = Path(path_text)
+    if not path.is_file():
+        raise ModelScriptError(
+            f"tensorstash bench: --model-script file {str(path)!r} not found (from "
+            f"{str(Path.cwd())!r}); pass the path of a Python file, then :FUNCTION"
+        )
+    name = "tensorstash_model_script_" + re.sub(r"\W", "_", path.stem)
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ModelScriptError(
+            f"tensorstash bench: --model-script {str(path)!r} cannot be imported as a "
+            "Python module; pass a .py file"
+        )
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # dataclasses and pickle look their module up there
+    module_spec.loader.exec_module(module)
+    factory = getattr(module, function, None)
+    if not callable(factory):
+        found = sorted(
+            key
+            for key, value in vars(module).items()
+            if callable(value)
+            and not key.startswith("_")
+            and not isinstance(value, type)
+            and getattr(value, "__module__", None) == name
+        )
+        what = "is not callable" if factory is not None else "is not defined"
+        raise ModelScriptError(
+            f"tensorstash bench: --model-script {str(path)!r}: {function!r} {what}; "
+            f"functions defined there: {', '.join(found) or 'none'}; "
+            f"expected {MODEL_SCRIPT_PROTOCOL}"
+        )
+    torch.manual_seed(seed)
+    return _workload_from(factory(), spec)
+
+
+def _workload_from(result: Any, spec: str) -> Workload:
+    """Check a model-script function's return value against the protocol."""
+    if not isinstance(result, tuple | list) or len(result) not in (2, 3):
+        raise ModelScriptError(
+            f"tensorstash bench: {spec} returned {type(result).__name__} "
+            f"{_short(result)}; expected {MODEL_SCRIPT_PROTOCOL}"
+        )
+    model, batch, *rest = result
+    if not isinstance(model, nn.Module):
+        raise ModelScriptError(
+            f"tensorstash bench: {spec} returned a {type(model).__name__} as the "
+            f"model; expected an nn.Module first: {MODEL_SCRIPT_PROTOCOL}"
+        )
+    if isinstance(batch, Tensor):
+        batch = (batch,)
+    if not isinstance(batch, tuple | list):
+        raise ModelScriptError(
+            f"tensorstash bench: {spec} returned a {type(batch).__name__} as the "
+            f"batch; expected a tuple of the forward's arguments: {MODEL_SCRIPT_PROTOCOL}"
+        )
+    blocks = rest[0] if rest else None
+    parameters = sum(p.numel() for p in model.parameters())
+    return Workload(model, tuple(batch), blocks, f"model {spec} ({parameters:,} parameters)")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _to_device(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """Tensors in ``value`` moved to ``device``, floating-point ones cast to ``dtype``."""
+    if isinstance(value, Tensor):
+        return value.to(device=device, dtype=dtype if value.is_floating_point() else None)
+    if isinstance(value, tuple | list):
+        return type(value)(_to_device(item, device, dtype) for item in value)
+    if isinstance(value, dict):
+        return {key: _to_device(item, device, dtype) for key, item in value.items()}
+    return value
+
+
 # -- the variants --------------------------------------------------------------------
 
 # Policies handed to ts.stash, by bench name; factories so each step gets a fresh value.
@@ -234,12 +400,13 @@ STASH_POLICIES: dict[str, Callable[[], Any]] = {
 BASELINE = "none"
 PEERS = ("save_on_cpu", "checkpoint")
 ALL_POLICIES: tuple[str, ...] = (BASELINE, *STASH_POLICIES, *PEERS)
-DEFAULT_POLICIES = ALL_POLICIES
 AUTO_PREFIX = "auto:"
 """``auto:<budget>`` (e.g. ``auto:8MiB``) runs ``Auto(device_budget=<budget>)``."""
-
-# One Profile per Auto variant, kept across the variant's steps (NOTE [ Profile ]).
-_PROFILES: dict[str, ts.Profile] = {}
+DEFAULT_POLICIES: tuple[str, ...] = (*ALL_POLICIES[:7], "auto:8MiB", *ALL_POLICIES[7:])
+"""Every policy, and Auto under an 8 MiB budget: it offloads on the CPU, where the
+default budget (half of free RAM) keeps everything."""
+NEEDS_BLOCKS = ("recompute", "checkpoint")
+"""Policies that wrap the model's blocks (see ``Workload.blocks``)."""
 
 
 def _auto_policy(name: str) -> Any:
@@ -256,11 +423,16 @@ def _is_policy(name: str) -> bool:
     return name in ALL_POLICIES
 
 
+def _learns(name: str) -> bool:
+    """Whether the variant runs Auto with a Profile (rule 6 of NOTE [ Fair comparison ])."""
+    return name == "auto" or name == "recompute" or name.startswith(AUTO_PREFIX)
+
+
 def resolve_policies(names: Sequence[str]) -> list[str]:
     """Validate bench policy names, drop repeats and put the baseline "none" first.
 
     Args:
-        names: names from :data:`ALL_POLICIES`, in the order to run them.
+        names: names from :data:`ALL_POLICIES` or ``auto:<budget>``, in the order to run them.
 
     Returns:
         The names to run, starting with "none" (overhead is measured against it).
@@ -281,40 +453,59 @@ def resolve_policies(names: Sequence[str]) -> list[str]:
 
 
 @contextlib.contextmanager
-def variant_context(name: str, model: BenchGPT, device: torch.device) -> Iterator[Any]:
+def _blocks_recomputed(workload: Workload) -> Iterator[None]:
+    """The workload's blocks run under non-reentrant checkpointing inside the region."""
+    names = ts.recompute_modules(workload.model, workload.blocks)
+    try:
+        yield
+    finally:
+        for name in names:
+            ts.unrecompute(workload.model.get_submodule(name))
+
+
+@contextlib.contextmanager
+def variant_context(
+    name: str,
+    workload: Workload,
+    device: torch.device,
+    profiles: dict[str, ts.Profile] | None = None,
+) -> Iterator[Any]:
     """Run a region under one bench variant.
 
     Args:
-        name: a name from :data:`ALL_POLICIES`.
-        model: the bench model (the "checkpoint" variant switches its flag).
+        name: a bench policy name (see :func:`resolve_policies`).
+        workload: the model ("checkpoint" and "recompute" wrap its blocks).
         device: where the model runs (``save_on_cpu`` pins memory on CUDA).
+        profiles: the Profile of each Auto variant, kept across its steps
+            (one is added on first use); None: a fresh Profile each time.
 
     Returns:
         A context manager whose value is the stash session, or None for
         variants that are not a stash.
     """
+    profile = None
+    if _learns(name):
+        profile = ts.Profile() if profiles is None else profiles.setdefault(name, ts.Profile())
+    model = workload.model
     if name == BASELINE:
         yield None
     elif name == "save_on_cpu":
         with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
             yield None
-    elif name == "checkpoint":
-        model.checkpoint = True
+    elif name == "checkpoint" and isinstance(model, BenchGPT):
+        model.checkpoint = True  # torch's own checkpoint, as a peer that owes nothing to us
         try:
             yield None
         finally:
             model.checkpoint = False
+    elif name == "checkpoint":
+        with _blocks_recomputed(workload):
+            yield None
     elif name == "recompute":
-        names = ts.recompute_modules(model, Block)
-        try:
-            with ts.stash("auto", profile=_PROFILES.setdefault(name, ts.Profile())) as session:
-                yield session
-        finally:
-            for block in names:
-                ts.unrecompute(model.get_submodule(block))
+        with _blocks_recomputed(workload), ts.stash("auto", profile=profile) as session:
+            yield session
     else:
         policy = _auto_policy(name) if name.startswith(AUTO_PREFIX) else STASH_POLICIES[name]()
-        profile = _PROFILES.setdefault(name, ts.Profile()) if "auto" in name else None
         with ts.stash(policy, profile=profile) as session:
             yield session
 
@@ -399,6 +590,85 @@ class PeakRss:
             self._sampled = max(self._sampled, _current_rss())
 
 
+TIMELINE_TIERS = ("kept", "host", "disk")
+
+
+class Timeline:
+    """Live bytes per tier over one step, sampled at every module's forward and backward.
+
+    Each module's forward hook takes a sample when the module returns, and a
+    hook on its output's gradient takes one when backward reaches it, just
+    before its saved tensors are used and freed. A sample reads the live
+    bytes per tier of the stash session (none without one) and, on CUDA,
+    ``torch.cuda.memory_allocated`` above its value at the start of the step.
+
+    Attributes:
+        t_s: seconds since the step started, one per sample.
+        tiers: live bytes of "kept", "host" and "disk", one list each.
+        device: CUDA allocated bytes above the start, one per sample (None on the CPU).
+        backward_at_s: when backward started.
+        session: the stash session to read (set once it is open).
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.t_s: list[float] = []
+        self.tiers: dict[str, list[int]] = {tier: [] for tier in TIMELINE_TIERS}
+        self.device: list[int] | None = [] if device.type == "cuda" else None
+        self.backward_at_s = 0.0
+        self.session: Any = None
+        self._cuda = device if device.type == "cuda" else None
+        self._model = model
+        self._start = 0.0
+        self._base = 0
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> Timeline:
+        self._start = time.perf_counter()
+        if self._cuda is not None:
+            self._base = torch.cuda.memory_allocated(self._cuda)
+        self._handles = [m.register_forward_hook(self._forward) for m in self._model.modules()]
+        self.sample()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def sample(self) -> None:
+        """Record the live bytes now."""
+        self.t_s.append(time.perf_counter() - self._start)
+        tiers = None if self.session is None else self.session.stats.tiers
+        for name, values in self.tiers.items():
+            values.append(0 if tiers is None else int(tiers[name].live_bytes))
+        if self.device is not None and self._cuda is not None:
+            self.device.append(torch.cuda.memory_allocated(self._cuda) - self._base)
+
+    def backward_starts(self) -> None:
+        """Mark the end of forward."""
+        self.sample()
+        self.backward_at_s = self.t_s[-1]
+
+    def _forward(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        self.sample()
+        outputs = output if isinstance(output, tuple | list) else (output,)
+        for value in outputs:
+            if isinstance(value, Tensor) and value.requires_grad:
+                value.register_hook(self._backward)
+
+    def _backward(self, grad: Tensor) -> None:
+        self.sample()
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy: ``t_s``, one list per tier, ``device`` and ``backward_at_s``."""
+        return {
+            "t_s": list(self.t_s),
+            **{name: list(values) for name, values in self.tiers.items()},
+            "device": None if self.device is None else list(self.device),
+            "backward_at_s": self.backward_at_s,
+        }
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What one step of one variant measured."""
@@ -407,6 +677,7 @@ class StepResult:
     grads_equal: bool
     stats: dict[str, Any] | None
     cuda_peak_bytes: int | None
+    timeline: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -420,12 +691,16 @@ class Row:
             stash session). CUDA: ``torch.cuda.max_memory_allocated`` over a step.
         peak_rss_bytes: growth of the resident set over the variant's memory step.
         step_s: median seconds of a forward and backward over the timed steps.
-        step_times: every timed step, in seconds.
+        step_times: every timed step, in seconds, in order.
         overhead: ``step_s`` over the ``step_s`` of "none".
         grads_equal: every step's gradients bitwise equal to plain autograd's.
         tiers: the stash's per-tier counters of the last step (None without a session).
         compression_ratio: original over stored bytes of what left the device
             (None without a session).
+        step_overheads: each timed step over the step of "none" in the same round.
+        step_peak_bytes: each timed step's peak, as ``peak_bytes`` measures it.
+        timeline: live bytes per tier over one untimed step (see :class:`Timeline`),
+            when the bench was asked for timelines; else None.
     """
 
     policy: str
@@ -437,38 +712,59 @@ class Row:
     grads_equal: bool
     tiers: dict[str, dict[str, int]] | None
     compression_ratio: float | None
+    step_overheads: tuple[float, ...] = ()
+    step_peak_bytes: tuple[int | None, ...] = ()
+    timeline: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field."""
         data = asdict(self)
-        data["step_times"] = list(self.step_times)
+        for name in ("step_times", "step_overheads", "step_peak_bytes"):
+            data[name] = list(data[name])
         return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Row:
+        """The row :meth:`to_dict` wrote (e.g. read back from ``--json``)."""
+        fields = dict(data)
+        for name in ("step_times", "step_overheads", "step_peak_bytes"):
+            fields[name] = tuple(fields.get(name, ()))
+        return cls(**fields)
 
 
 class _Bench:
-    """The model, batch and reference gradients shared by every step of a run."""
+    """The workload on its device, its weights and reference gradients, shared by every step."""
 
     def __init__(
-        self, config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int
+        self, workload: Workload, device: torch.device, dtype: torch.dtype, seed: int
     ) -> None:
-        torch.manual_seed(seed)
-        self.model = BenchGPT(config).to(device=device, dtype=dtype).train()
+        self.workload = Workload(
+            workload.model.to(device=device, dtype=dtype).train(),
+            _to_device(workload.batch, device, dtype),
+            workload.blocks,
+            workload.description,
+        )
+        self.model = self.workload.model
         self.initial = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        self.batch = make_batch(config, seed=seed, device=device)
+        self.batch = self.workload.batch
         self.device = device
         self.seed = seed
         self.reference: list[Tensor | None] = []
+        self.profiles: dict[str, ts.Profile] = {}
 
-    def step(self, name: str, *, meter: PeakRss | None = None) -> StepResult:
+    def step(
+        self, name: str, *, meter: PeakRss | None = None, timeline: bool = False
+    ) -> StepResult:
         """Run one forward and backward under variant ``name`` and measure it.
 
         Args:
             name: the variant.
             meter: when given, free heap memory is returned to the OS first and
                 the meter measures the step's resident memory (rule 3 of the NOTE).
+            timeline: record live bytes per tier over the step (:class:`Timeline`).
 
         Returns:
-            The step's time, gradient check, stash stats and CUDA peak.
+            The step's time, gradient check, stash stats, CUDA peak and timeline.
         """
         self._reset()
         if meter is not None:
@@ -477,18 +773,26 @@ class _Bench:
         if cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        with meter or contextlib.nullcontext():
+        trace = Timeline(self.model, self.device) if timeline else None
+        with meter or contextlib.nullcontext(), trace or contextlib.nullcontext():
             start = time.perf_counter()
-            with variant_context(name, self.model, self.device) as session:
-                loss = self.model(*self.batch)
+            with variant_context(name, self.workload, self.device, self.profiles) as session:
+                if trace is not None:
+                    trace.session = session
+                loss = _checked_loss(self.model(*self.batch), self.workload)
+                if trace is not None:
+                    trace.backward_starts()
                 loss.backward()
             if cuda:
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - start
-        del loss
+            del loss
+            if trace is not None:
+                trace.sample()
         stats = None if session is None else session.stats.to_dict()
         peak = torch.cuda.max_memory_allocated(self.device) if cuda else None
-        return StepResult(seconds, self._grads_equal(), stats, peak)
+        recorded = None if trace is None else trace.to_dict()
+        return StepResult(seconds, self._grads_equal(), stats, peak, recorded)
 
     def take_reference(self) -> None:
         """Run plain autograd once and keep its gradients (rule 4 of the NOTE)."""
@@ -510,6 +814,22 @@ class _Bench:
             (g is None and r is None) or (g is not None and r is not None and torch.equal(g, r))
             for g, r in zip(grads, self.reference, strict=True)
         )
+
+
+def _checked_loss(loss: Any, workload: Workload) -> Tensor:
+    """``loss`` if it is a scalar tensor that backward can start from."""
+    if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        got = (
+            f"a tensor of shape {tuple(loss.shape)} (requires_grad={loss.requires_grad})"
+            if isinstance(loss, Tensor)
+            else f"{type(loss).__name__} {_short(loss)}"
+        )
+        raise ModelScriptError(
+            f"tensorstash bench: {workload.description}: model(*batch) returned {got}; it "
+            "must return a scalar loss that requires grad (wrap the model in a module that "
+            "computes the loss)"
+        )
+    return loss
 
 
 def _grad_copy(parameter: Tensor) -> Tensor | None:
@@ -559,9 +879,44 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def planned_steps(policies: Sequence[str], steps: int, warmup: int = 1) -> int:
-    """How many steps :func:`run_bench` runs: the reference, then untimed and timed rounds."""
-    return 1 + len(resolve_policies(policies)) * (warmup + 1 + steps)
+def check_memory_snapshot(device: str | torch.device) -> None:
+    """Raise ValueError unless ``device`` can record allocator snapshots (CUDA)."""
+    if torch.device(device).type != "cuda":
+        raise ValueError(
+            f"tensorstash bench: --memory-snapshot records the CUDA caching allocator's "
+            f"history and needs --device cuda (got {str(device)!r}); on the CPU use --plot "
+            "for live bytes per tier over a step"
+        )
+
+
+def snapshot_file(directory: Path, policy: str) -> Path:
+    """Where ``--memory-snapshot`` writes the snapshot of ``policy``: a safe file name."""
+    return directory / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', policy)}.pickle"
+
+
+def check_blocks(names: Sequence[str], workload: Workload) -> None:
+    """Raise ValueError if a policy in ``names`` wraps blocks the workload does not name."""
+    blockless = [name for name in names if name in NEEDS_BLOCKS and workload.blocks is None]
+    if blockless:
+        raise ValueError(
+            f"tensorstash bench: policy {blockless[0]!r} wraps the model's blocks, and "
+            f"{workload.description} names none; return (model, batch, blocks) from the "
+            "model script (blocks: a module class or submodule names), or leave "
+            f"{' and '.join(NEEDS_BLOCKS)} out of --policies"
+        )
+
+
+def planned_steps(
+    policies: Sequence[str],
+    steps: int,
+    warmup: int = 1,
+    *,
+    timeline: bool = False,
+    memory_snapshot: bool = False,
+) -> int:
+    """How many steps :func:`run_bench` runs: the reference, untimed, timed and extra rounds."""
+    rounds = warmup + 1 + steps + int(timeline) + int(memory_snapshot)
+    return 1 + len(resolve_policies(policies)) * rounds
 
 
 def run_bench(
@@ -574,53 +929,81 @@ def run_bench(
     *,
     warmup: int = 1,
     progress: Callable[[str], None] | None = None,
+    workload: Workload | None = None,
+    timeline: bool = False,
+    memory_snapshot: str | Path | None = None,
 ) -> list[Row]:
-    """Train the embedded model for a few steps under each policy and measure them.
+    """Train a model for a few steps under each policy and measure them.
 
     The variants are interleaved and compared as NOTE [ Fair comparison ]
     describes; "none" (plain autograd) is always run first, as the baseline.
 
     Args:
         config_name: a key of :data:`CONFIGS`: "tiny", "small" or "medium".
-        policies: names from :data:`ALL_POLICIES`.
+        policies: names from :data:`ALL_POLICIES` or ``auto:<budget>``.
         steps: timed steps per variant.
-        warmup: untimed warm-up steps per variant, before the one untimed step
-            that measures resident memory.
         device: "cpu" or "cuda".
         dtype: "float32" or "bfloat16": the model's parameter dtype.
         seed: seeds the weights, the batch and dropout.
+        warmup: untimed warm-up steps per variant, before the one untimed step
+            that measures resident memory.
         progress: called with the variant's name after every step.
+        workload: a model of your own (see :func:`script_workload`) instead of
+            the embedded one; ``config_name`` is then unused.
+        timeline: run one more untimed step per variant that records live
+            bytes per tier (``Row.timeline``, for :func:`tensorstash._plot.plot`).
+        memory_snapshot: a directory: run one more untimed step per variant
+            under ``torch.cuda.memory._record_memory_history`` and dump it to
+            ``<directory>/<policy>.pickle`` for https://pytorch.org/memory_viz
+            (CUDA only).
 
     Returns:
         One :class:`Row` per variant, "none" first.
 
     Raises:
-        ValueError: an unknown model, policy or dtype, ``steps < 1``, or CUDA
-            requested without a CUDA device.
+        ValueError: an unknown model, policy or dtype, ``steps < 1``, CUDA
+            requested without a CUDA device, a snapshot asked for off CUDA, or
+            "checkpoint"/"recompute" asked for on a workload without blocks.
+        ModelScriptError: the model does not return a scalar loss.
 
     Example:
         >>> for row in run_bench("tiny", ["lz4", "disk"], steps=2):
         ...     print(row.policy, row.overhead, row.grads_equal)
     """
-    config = resolve_config(config_name)
     names = resolve_policies(policies)
     if steps < 1 or warmup < 0:
         raise ValueError(
             f"tensorstash bench: steps={steps}, warmup={warmup}; pass steps >= 1 "
             "(--steps 1) and warmup >= 0"
         )
-    bench = _Bench(config, resolve_device(device), resolve_dtype(dtype), seed)
+    resolved_device, resolved_dtype = resolve_device(device), resolve_dtype(dtype)
+    if memory_snapshot is not None:
+        check_memory_snapshot(resolved_device)
+    if workload is None:
+        workload = builtin_workload(config_name, seed)
+    check_blocks(names, workload)
+    bench = _Bench(workload, resolved_device, resolved_dtype, seed)
     tick = progress or (lambda name: None)
     bench.take_reference()
     tick(BASELINE)
     untimed, rss = _untimed_rounds(bench, names, warmup, tick)
+    bench.profiles.clear()  # rule 6: Auto starts learning at the first timed step
     timed: dict[str, list[StepResult]] = {name: [] for name in names}
     for _ in range(steps):  # rule 1: interleaved
         for name in names:
             timed[name].append(bench.step(name))
             tick(name)
-    baseline = statistics.median(r.seconds for r in timed[BASELINE])
-    return [_row(name, untimed[name], timed[name], rss[name], baseline) for name in names]
+    traces: dict[str, dict[str, Any] | None] = dict.fromkeys(names)
+    if timeline:  # rule 7
+        for name in names:
+            traces[name] = bench.step(name, timeline=True).timeline
+            tick(name)
+    if memory_snapshot is not None:
+        _snapshot_round(bench, names, Path(memory_snapshot), tick)
+    baseline = [r.seconds for r in timed[BASELINE]]
+    return [
+        _row(name, untimed[name], timed[name], rss[name], baseline, traces[name]) for name in names
+    ]
 
 
 def _untimed_rounds(
@@ -645,12 +1028,36 @@ def _untimed_rounds(
     return results, rss
 
 
+def _snapshot_round(
+    bench: _Bench, names: list[str], directory: Path, tick: Callable[[str], None]
+) -> None:
+    """Rule 7 of the NOTE: one step per variant under the CUDA allocator's history."""
+    from torch.cuda import memory as cuda_memory
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        torch.cuda.synchronize(bench.device)
+        cuda_memory._record_memory_history(max_entries=200_000, device=bench.device)
+        try:
+            bench.step(name)
+            cuda_memory._dump_snapshot(str(snapshot_file(directory, name)))
+        finally:
+            cuda_memory._record_memory_history(enabled=None, device=bench.device)
+        tick(name)
+
+
 def _row(
-    name: str, untimed: list[StepResult], timed: list[StepResult], rss_bytes: int, baseline_s: float
+    name: str,
+    untimed: list[StepResult],
+    timed: list[StepResult],
+    rss_bytes: int,
+    baseline: list[float],
+    timeline: dict[str, Any] | None,
 ) -> Row:
     """Summarise a variant's steps (see ``Row`` for what each field means)."""
     every = untimed + timed
     step_s = statistics.median(r.seconds for r in timed)
+    baseline_s = statistics.median(baseline)
     last = every[-1].stats
     return Row(
         policy=name,
@@ -662,6 +1069,12 @@ def _row(
         grads_equal=all(r.grads_equal for r in every),
         tiers=None if last is None else last["tiers"],
         compression_ratio=None if last is None else float(last["compression_ratio"]),
+        step_overheads=tuple(
+            r.seconds / base if base > 0 else float("nan")
+            for r, base in zip(timed, baseline, strict=True)
+        ),
+        step_peak_bytes=tuple(_peak_bytes([r]) for r in timed),
+        timeline=timeline,
     )
 
 
@@ -731,6 +1144,7 @@ def format_table(rows: Sequence[Row], *, device: str | torch.device = "cpu") -> 
     ]
     lines.insert(1, "-" * len(lines[0]))
     lines.extend(_legend(torch.device(device)))
+    lines.extend(_learning(rows))
     return "\n".join(lines)
 
 
@@ -748,3 +1162,26 @@ def _legend(device: torch.device) -> list[str]:
         "step: median of the timed steps (variants interleaved); overhead: step / step of none",
         "grads equal: bitwise equal to plain autograd on every parameter, every step",
     ]
+
+
+def _learning(rows: Sequence[Row]) -> list[str]:
+    """Lines on Auto learning its Profile: first timed step against the last (rule 6)."""
+    lines: list[str] = []
+    for row in rows:
+        count = len(row.step_times)
+        if not row.policy.startswith("auto") or count < 2 or len(row.step_overheads) != count:
+            continue
+        first, last = _step_summary(row, 0), _step_summary(row, count - 1)
+        lines.append(f"{row.policy}: step 1 (no profile yet) {first}; step {count} (plan) {last}")
+    if lines:
+        lines[:0] = ["", "Auto learns a Profile step by step (overhead: against none, same round):"]
+    return lines
+
+
+def _step_summary(row: Row, index: int) -> str:
+    peaks = row.step_peak_bytes
+    peak = peaks[index] if index < len(peaks) else None
+    return (
+        f"{row.step_times[index]:.3f} s = {row.step_overheads[index]:.2f}x, "
+        f"peak {'-' if peak is None else human_bytes(peak)}"
+    )

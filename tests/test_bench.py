@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
-from tensorstash import bench
+from tensorstash import _plot, bench
 from tensorstash.cli import _progress_bar, main
 
 LOSSLESS = ["none", "keep", "cpu", "lz4", "disk", "lz4+disk", "save_on_cpu"]
 STASHES = ["keep", "cpu", "lz4", "disk", "lz4+disk"]
-ALL = [*LOSSLESS, "checkpoint"]
+ALL = [*LOSSLESS, "checkpoint", "auto:1MiB"]
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_run_bench_rejects_zero_steps() -> None:
 
 
 def test_format_table_has_one_line_per_policy(rows: dict[str, dict[str, Any]]) -> None:
-    parsed = [bench.Row(**{**row, "step_times": tuple(row["step_times"])}) for row in rows.values()]
+    parsed = [bench.Row.from_dict(row) for row in rows.values()]
     lines = bench.format_table(parsed).splitlines()
     body = lines[2 : 2 + len(parsed)]
     assert [line.split()[0] for line in body] == [row.policy for row in parsed]
@@ -166,3 +166,248 @@ def test_progress_bar_without_tqdm_is_a_no_op(monkeypatch: pytest.MonkeyPatch) -
     with _progress_bar(2) as advance:
         advance("none")
         advance("lz4")
+
+
+# -- JSON fields, Auto's profile -------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_bench_json_rows_have_the_documented_fields(
+    rows: dict[str, dict[str, Any]], policy: str
+) -> None:
+    row = rows[policy]
+    assert {"policy", "peak_bytes", "step_s", "overhead", "grads_equal", "tiers"} <= set(row)
+    assert len(row["step_overheads"]) == len(row["step_peak_bytes"]) == 2
+    assert row["timeline"] is None  # only with --plot
+
+
+def test_bench_auto_budget_row_learns_across_timed_steps(
+    rows: dict[str, dict[str, Any]],
+) -> None:
+    row = rows["auto:1MiB"]
+    assert row["grads_equal"] is True
+    assert all(peak > 0 for peak in row["step_peak_bytes"])
+    # The plan keeps what fits in the budget, as the first step does; the rest goes out.
+    assert 0 < row["tiers"]["kept"]["peak_bytes"] <= 2**20
+    assert row["tiers"]["disk"]["bytes"] > 0
+
+
+def test_format_table_reports_auto_first_and_last_step() -> None:
+    auto = bench.Row(
+        policy="auto:8MiB",
+        peak_bytes=8 * 2**20,
+        peak_rss_bytes=0,
+        step_s=0.25,
+        step_times=(0.4, 0.25, 0.2),
+        overhead=1.25,
+        grads_equal=True,
+        tiers=None,
+        compression_ratio=None,
+        step_overheads=(2.0, 1.25, 1.1),
+        step_peak_bytes=(8 * 2**20, 8 * 2**20, 8 * 2**20),
+    )
+    table = bench.format_table([auto])
+    assert (
+        "auto:8MiB: step 1 (no profile yet) 0.400 s = 2.00x, peak 8.0 MiB; "
+        "step 3 (plan) 0.200 s = 1.10x, peak 8.0 MiB"
+    ) in table
+
+
+# -- --plot ------------------------------------------------------------------------------
+
+
+def test_bench_plot_writes_a_png(tmp_path: Path) -> None:
+    png, out = tmp_path / "bench.png", tmp_path / "rows.json"
+    argv = ["bench", "--model", "tiny", "--steps", "1", "--warmup", "0"]
+    argv += ["--policies", "keep", "--plot", str(png), "--json", str(out)]
+    assert main(argv) == 0
+    data = png.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    assert 10_000 < len(data) < 150_000
+    timelines = {row["policy"]: row["timeline"] for row in json.loads(out.read_text())}
+    keep = timelines["keep"]
+    # Forward rises, backward falls: the peak comes at the end of forward, nothing is left.
+    assert keep["kept"][0] == 0 and max(keep["kept"]) > 0 and keep["kept"][-1] == 0
+    peak_at = keep["t_s"][keep["kept"].index(max(keep["kept"]))]
+    assert peak_at <= keep["backward_at_s"]
+    assert keep["t_s"] == sorted(keep["t_s"])
+
+
+def test_bench_plot_without_matplotlib_fails_before_training(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes the import raise ImportError
+
+    def no_training(*args: object, **kwargs: object) -> None:
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(bench, "run_bench", no_training)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--model", "tiny", "--plot", str(tmp_path / "x.png")])
+    assert exit_info.value.code == 2
+    assert "pip install tensorstash[plot]" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_skips_panels_without_data(tmp_path: Path) -> None:
+    row = bench.Row(
+        policy="none",
+        peak_bytes=None,
+        peak_rss_bytes=2**20,
+        step_s=0.1,
+        step_times=(0.1,),
+        overhead=1.0,
+        grads_equal=True,
+        tiers=None,
+        compression_ratio=None,
+        timeline={"t_s": [0.0, 0.1], "kept": [0, 0], "host": [0, 0], "disk": [0, 0]},
+    )
+    path = _plot.plot([row], tmp_path / "one.png", title="one row")
+    assert path.read_bytes().startswith(b"\x89PNG")
+
+
+# -- --memory-snapshot -----------------------------------------------------------------
+
+
+def test_bench_memory_snapshot_on_cpu_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--model", "tiny", "--memory-snapshot", str(tmp_path / "snap")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--memory-snapshot" in err and "needs --device cuda" in err
+    assert not (tmp_path / "snap").exists()
+
+
+def test_run_bench_memory_snapshot_on_cpu_raises(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="needs --device cuda"):
+        bench.run_bench("tiny", ["none"], steps=1, memory_snapshot=tmp_path)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bench_memory_snapshot_writes_one_pickle_per_policy(tmp_path: Path) -> None:
+    argv = ["bench", "--model", "tiny", "--steps", "1", "--warmup", "0", "--device", "cuda"]
+    assert main([*argv, "--policies", "lz4,auto:1MiB", "--memory-snapshot", str(tmp_path)]) == 0
+    names = sorted(path.name for path in tmp_path.iterdir())
+    assert names == ["auto_1MiB.pickle", "lz4.pickle", "none.pickle"]
+    assert all(path.stat().st_size > 0 for path in tmp_path.iterdir())
+
+
+# -- --model-script --------------------------------------------------------------------
+
+SCRIPT = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(2))
+        self.head = nn.Linear(128, 4)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = x + block(x)
+        return nn.functional.cross_entropy(self.head(x), y)
+
+
+def make():
+    x = torch.randn(256, 128)
+    return Net(), (x, torch.randint(4, (256,))), nn.Sequential
+
+
+def without_blocks():
+    model, batch, _ = make()
+    return model, batch
+
+
+def not_a_tuple():
+    return Net()
+
+
+def not_a_module():
+    return "net", (torch.randn(2, 128), torch.zeros(2, dtype=torch.long))
+
+
+def not_a_loss():
+    return nn.Linear(128, 4), torch.randn(2, 128)
+
+
+NOT_CALLABLE = 3
+"""
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "my_model.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def test_bench_model_script_runs_the_users_model(script: Path, tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    argv = ["bench", "--model-script", f"{script}:make", "--steps", "1", "--warmup", "0"]
+    argv += ["--policies", "disk,checkpoint,recompute", "--json", str(out)]
+    assert main(argv) == 0
+    data = {row["policy"]: row for row in json.loads(out.read_text())}
+    assert list(data) == ["none", "disk", "checkpoint", "recompute"]
+    assert all(row["grads_equal"] for row in data.values())
+    assert data["disk"]["tiers"]["disk"]["bytes"] > 0
+
+
+def test_bench_model_script_without_blocks_skips_checkpoint_by_default(
+    script: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran: list[list[str]] = []
+    monkeypatch.setattr(bench, "run_bench", lambda _, names, *a, **k: ran.append(names) or [])
+    monkeypatch.setattr(bench, "format_table", lambda rows, device: "")
+    assert main(["bench", "--model-script", f"{script}:without_blocks"]) == 0
+    assert "skipping recompute and checkpoint" in capsys.readouterr().err
+    assert ran and not set(ran[0]) & {"recompute", "checkpoint"}
+
+
+def test_bench_model_script_without_blocks_refuses_checkpoint(
+    script: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "--model-script", f"{script}:without_blocks", "--policies", "checkpoint"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "policy 'checkpoint' wraps the model's blocks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("{dir}/missing.py:make", "file '{dir}/missing.py' not found"),
+        ("{script}", "must be PATH.py:FUNCTION"),
+        ("{script}:nope", "'nope' is not defined; functions defined there: make, not_a_loss"),
+        ("{script}:NOT_CALLABLE", "'NOT_CALLABLE' is not callable"),
+        ("{script}:not_a_tuple", "returned Net"),
+        ("{script}:not_a_module", "returned a str as the model"),
+        ("{script}:not_a_loss", "model(*batch) returned a tensor of shape (2, 4)"),
+    ],
+)
+def test_bench_model_script_errors_name_the_problem(
+    script: Path,
+    target: str,
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    fill = {"dir": script.parent, "script": script}
+    argv = ["bench", "--model-script", target.format(**fill), "--steps", "1", "--warmup", "0"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--policies", "keep"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message.format(**fill) in err
+    assert "returns (model, batch)" in err or "PATH.py:FUNCTION" in err or "scalar loss" in err
+
+
+def test_bench_model_script_and_model_are_exclusive(script: Path) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--model", "tiny", "--model-script", f"{script}:make"])
+    assert exit_info.value.code == 2
