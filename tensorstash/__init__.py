@@ -12,7 +12,7 @@ from tensorstash.auto import Auto, Memory, Select
 from tensorstash.compress import Lz4
 from tensorstash.cpu import CpuOffload
 from tensorstash.disk import DiskSpill, SpillError
-from tensorstash.policy import Chain, Context, Keep, Packed, Policy
+from tensorstash.policy import Chain, Context, Defer, Keep, Packed, Policy
 from tensorstash.profile import Profile
 from tensorstash.recompute import recompute, recompute_modules, unrecompute
 from tensorstash.stash import Session, pause, stash
@@ -22,6 +22,7 @@ __all__ = [
     "Auto",
     "Chain",
     "Context",
+    "Defer",
     "CpuOffload",
     "DiskSpill",
     "Keep",

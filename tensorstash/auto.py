@@ -27,7 +27,7 @@ from torch import Tensor
 from tensorstash.compress import Lz4
 from tensorstash.cpu import CpuOffload
 from tensorstash.disk import DiskSpill
-from tensorstash.policy import Chain, Context, Keep, Policy
+from tensorstash.policy import Chain, Context, Defer, Keep, Policy
 from tensorstash.stats import Tier
 
 Probe = Callable[[torch.device], tuple[int, int]]
@@ -110,12 +110,14 @@ class Select:
             found = self._cache[key] = (now, probe(device))
         return found[1]
 
-    def choose(self, tensor: Tensor, ctx: Context) -> tuple[Policy, str | None]:
+    def choose(self, tensor: Tensor, ctx: Context) -> tuple[Policy | Defer, str | None]:
         """The rule's policy for ``tensor``, and its reason when the rule gives one."""
         from tensorstash.stash import resolve
 
         choice = self.rule(tensor, self.memory(tensor, ctx))
         policy, reason = choice if isinstance(choice, tuple) else (choice, None)
+        if isinstance(policy, Defer):
+            return Defer(resolve(policy.policy), policy.window), reason
         return resolve(policy), reason
 
     def pack(self, value: Tensor, ctx: Context) -> Any:
@@ -174,12 +176,18 @@ class Auto:
        sites whose reload stalled backward, then the sites saved last, while
        they fit in the budget; offload those saved earliest.
     1. While the tensors this session keeps on their device stay within
-       ``device_budget``: keep it ("under device budget").
+       three quarters of ``device_budget``: keep it ("under device budget").
     2. Host RAM available, less this tensor, would fall under ``host_reserve``:
        compress and spill it to disk ("host memory low").
     3. Otherwise: move it to host RAM, compressed (lz4 decides per tensor from a
        sample whether compression pays; "device budget reached"). A CPU
        tensor's device is host RAM, so it is compressed and spilled to disk.
+    4. Rules 2 and 3 move a tensor only once the tensors saved after it
+       reach the last quarter of the budget: until then it waits, kept, in a
+       window (NOTE [ Recent window ] in stash.py). So the tensors saved last
+       before backward (the output head, the loss), which backward needs
+       first, stay on the device, and kept bytes stay within the budget plus
+       one tensor. With a plan (rule 0) the plan decides instead.
 
     Args:
         device_budget: bytes kept on the device per session: an int, a size
@@ -212,7 +220,7 @@ class Auto:
         state: _AutoState = ctx.resource(("auto", id(self)), lambda: _AutoState(self))
         return state
 
-    def choose(self, tensor: Tensor, ctx: Context) -> tuple[Policy, str]:
+    def choose(self, tensor: Tensor, ctx: Context) -> tuple[Policy | Defer, str]:
         state = self.state(ctx)
         return state.decide(tensor, state.select.memory(tensor, ctx), ctx)
 
@@ -221,6 +229,10 @@ class Auto:
 
     def unpack(self, packed: Any, ctx: Context) -> Tensor:
         return Select.unpack(self, packed, ctx)  # type: ignore[arg-type]
+
+
+RECENT_SHARE = 4
+"""Auto keeps the tensors saved last in the last 1/RECENT_SHARE of its budget (rule 4)."""
 
 
 class _AutoState:
@@ -251,11 +263,11 @@ class _AutoState:
             self.reserve = _resolve_budget(reserve, host_total)
         return self.budget
 
-    def decide(self, tensor: Tensor, memory: Memory, ctx: Context) -> tuple[Policy, str]:
+    def decide(self, tensor: Tensor, memory: Memory, ctx: Context) -> tuple[Policy | Defer, str]:
         """The rules of :class:`Auto`, the plan of its profile first (from step two)."""
         budget = self._limits(memory)
         nbytes = tensor.numel() * tensor.element_size()
-        fits = memory.held["kept"] + nbytes <= budget
+        held = memory.held["kept"] + nbytes
         if memory.host_available - nbytes < self.reserve:
             outwards: tuple[Policy, str] = (self.spill, "host memory low")
         elif tensor.device.type == "cpu":
@@ -265,16 +277,18 @@ class _AutoState:
         profile = ctx.profile
         if profile is not None and profile.steps and ctx.site is not None:
             if self.plan is None:
-                self.plan = profile.plan(budget)
+                self.plan = profile.plan(budget, recent=budget // RECENT_SHARE)
             planned = self.plan.get(ctx.site)
             if planned is not None:
-                if planned.startswith("keep") and fits:
+                if planned.startswith("keep") and held <= budget:
                     return self.keep, planned
                 policy, why = outwards
                 return policy, f"{planned}; {why}" if why == "host memory low" else planned
-        if fits:
+        window = budget // RECENT_SHARE
+        if held <= budget - window:
             return self.keep, "under device budget"
-        return outwards
+        policy, why = outwards
+        return (Defer(policy, window) if window else policy), why
 
 
 def _unused_rule(tensor: Tensor, memory: Memory) -> Policy:

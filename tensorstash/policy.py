@@ -247,6 +247,23 @@ class Context:
                 if reason is not None:
                     packed.row["reason"] = f"{packed.row['reason']}; {reason}"
 
+    def replace(self, old: Packed, new: Packed, reason: str) -> None:
+        """``new`` holds what ``old`` held (a deferred tensor was packed): move its count.
+
+        The decision log row of ``old`` follows ``new``, its reason set to ``reason``.
+        """
+        with self._lock:
+            if old.accounted:
+                old.accounted = False
+                new.accounted = True
+                self.stats.move(
+                    (old.tier, old.nbytes, old.stored_bytes),
+                    (new.tier, new.nbytes, new.stored_bytes),
+                )
+            if old.row is not None:
+                new.row, old.row = old.row, None
+                new.row.update(tier=new.tier, stored_bytes=new.stored_bytes, reason=reason)
+
     def release(self, packed: Packed) -> None:
         """A packed value was freed: forget its live bytes."""
         with self._lock:
@@ -346,6 +363,21 @@ class Keep:
 
     def unpack(self, packed: Held, ctx: Context) -> Tensor:
         return packed.value()
+
+
+@dataclass(frozen=True)
+class Defer:
+    """A selector's choice: keep the tensor for now, pack it with ``policy`` later.
+
+    The session keeps a window of the tensors most recently deferred; once
+    those saved after a tensor hold more than ``window`` bytes, it is packed
+    with ``policy`` (the newest one always stays). The tensors saved last
+    before backward are the first backward needs: moving them out would only
+    make backward wait for them (NOTE [ Recent window ] in stash.py).
+    """
+
+    policy: Policy
+    window: int
 
 
 @dataclass(frozen=True, init=False)

@@ -73,13 +73,23 @@ class Profile:
     steps: int = 0
     last: dict[Site, SiteRecord] = field(default_factory=dict)
     current: dict[Site, SiteRecord] = field(default_factory=dict)
+    stalls: set[Site] = field(default_factory=set)
     _seen: Counter[tuple[Any, ...]] = field(default_factory=Counter)
 
     def start_step(self) -> None:
-        """Rule 2: the sites recorded so far become ``last``."""
+        """Rule 2: the sites recorded so far become ``last``.
+
+        ``stalls`` keeps the sites whose unpack stalled backward the last time
+        they were offloaded: a site kept since is still one that stalls.
+        """
         if self.current:
             self.last, self.current = self.current, {}
             self.steps += 1
+            for site, record in self.last.items():
+                if record.offloaded and record.unpack_s > self.stall_s:
+                    self.stalls.add(site)
+                elif record.offloaded:
+                    self.stalls.discard(site)
         self._seen.clear()
 
     def site(self, module: str, tensor: Tensor) -> Site:
@@ -101,16 +111,18 @@ class Profile:
         return record.method if record is not None else None
 
     def stalled(self, site: Site) -> bool:
-        """Whether unpacking this site stalled backward last step."""
-        record = self.last.get(site)
-        return record is not None and record.offloaded and record.unpack_s > self.stall_s
+        """Whether unpacking this site stalled backward the last time it was offloaded."""
+        return site in self.stalls
 
-    def plan(self, budget: int) -> dict[Site, str]:
+    def plan(self, budget: int, recent: int = 0) -> dict[Site, str]:
         """From ``last``: which sites to keep and which to offload (rule 3).
 
-        Stalled sites are kept first, then sites from the end of the step
-        backwards, each group latest first, while the kept bytes fit in
-        ``budget``; the rest, saved earliest, are offloaded.
+        Kept, while the kept bytes fit in ``budget``: first the sites saved
+        last, until they hold ``recent`` bytes (backward needs them at once;
+        Auto keeps them in its recent window in a first step too); then the
+        sites whose reload stalled; then the other sites from the end of the
+        step backwards. Each group goes latest first. The rest, saved
+        earliest, are offloaded.
 
         Returns:
             ``{site: reason}``, where a reason starting with "keep" keeps it.
@@ -119,7 +131,12 @@ class Profile:
         kept = 0
         latest_first = sorted(self.last.items(), key=lambda item: -item[1].order)
         for site, record in latest_first:
-            if self.stalled(site) and kept + record.nbytes <= budget:
+            if kept >= recent or kept + record.nbytes > budget:
+                break
+            plan[site] = "keep: backward needs it first (saved last)"
+            kept += record.nbytes
+        for site, record in latest_first:
+            if site not in plan and self.stalled(site) and kept + record.nbytes <= budget:
                 plan[site] = "keep: its reload stalled backward last step"
                 kept += record.nbytes
         for site, record in latest_first:

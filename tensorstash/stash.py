@@ -24,10 +24,24 @@ Every tensor autograd saves inside ``with stash(policy):`` reaches
    policy's resources. Nothing is freed in unpack: autograd may unpack again.
 6. Nesting. Only the innermost hook pair is active, so an inner session wins in
    its region; :func:`pause` pops this thread's sessions' hooks for a region.
+
+# NOTE [ Recent window ]
+Backward starts with the tensors saved last (the output head, the loss):
+moving them out only makes backward wait for them to come back. A selector
+that cannot know which tensors come last (Auto in a first step, before its
+Profile has seen a backward) returns :class:`~tensorstash.policy.Defer`: the
+session keeps the tensor and puts it in a window; when the window holds more
+than ``Defer.window`` bytes saved after its oldest entry, that entry is packed
+with its deferred policy (its ``_Saved`` switches to the new packed value, the
+stats and the decision log move with it). So whatever was deferred last stays
+kept when forward ends, and at most ``window`` bytes plus one tensor wait there.
+A tensor changed in place while it waits is not packed (unpack raises, as
+autograd would).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
@@ -39,7 +53,7 @@ import torch
 from torch import Tensor
 
 from tensorstash import _modules
-from tensorstash.policy import Context, Held, Keep, Packed, Policy, bug, nbytes_of
+from tensorstash.policy import Context, Defer, Held, Keep, Packed, Policy, bug, nbytes_of
 from tensorstash.profile import Profile, SiteRecord
 from tensorstash.stats import StashStats
 
@@ -105,6 +119,7 @@ class _Saved:
 
     __slots__ = (
         "__weakref__",
+        "cell",
         "counter",
         "packed",
         "policy",
@@ -117,6 +132,7 @@ class _Saved:
     def __init__(self, policy: Policy, packed: Any, source: Tensor, prev: _Saved | None) -> None:
         self.policy = policy
         self.packed = packed
+        self.cell = [packed]  # shared with the finalizer, which must not hold self
         self.version = source._version
         held = packed.tensor if isinstance(packed, Held) else None
         self.counter = held if held is not None else _version_counter(source)
@@ -129,6 +145,13 @@ class _Saved:
         now = self.counter._version
         if now != self.version:
             raise _modified(self.counter, now, self.version)
+
+    def switch(self, policy: Policy, packed: Any) -> None:
+        """Hold ``packed`` (from ``policy``) instead of the kept tensor (NOTE [ Recent window ])."""
+        if self.counter is self.packed.tensor:
+            self.counter = _version_counter(self.counter)
+        self.policy, self.packed = policy, packed
+        self.cell[0] = packed
 
 
 def _version_counter(tensor: Tensor) -> Tensor:
@@ -242,6 +265,10 @@ class Session(contextlib.ContextDecorator):
         self._ctx = Context(self.stats, workers=workers)
         self._ctx.profile = profile
         self._last: weakref.ref[_Saved] | None = None
+        self._window: collections.deque[tuple[weakref.ref[_Saved], Defer, int]] = (
+            collections.deque()
+        )
+        self._window_bytes = 0
         self._dedupe: dict[tuple[Any, ...], tuple[weakref.ref[Any], weakref.ref[_Saved]]] = {}
 
     def __repr__(self) -> str:
@@ -316,16 +343,23 @@ class Session(contextlib.ContextDecorator):
         choose = getattr(policy, "choose", None)
         if choose is not None:  # a selector: NOTE [ Selection ] in auto.py
             policy, reason = choose(tensor, self._ctx)
+        deferred = policy if isinstance(policy, Defer) else None
+        if deferred is not None:
+            policy = _KEEP
         packed = policy.pack(tensor, self._ctx)
         self._ctx.site = self._ctx.record = None
         if self.record and isinstance(packed, Packed):
             why = reason or f"policy {type(policy).__name__}"
+            if deferred is not None:
+                why = f"{why}; {_RECENT}"
             self._ctx.attach_row(packed, self._log(tensor, packed.tier, packed.stored_bytes, why))
         saved = _Saved(policy, packed, tensor, None if self._last is None else self._last())
         if record is not None:
             record.offloaded = getattr(packed, "tier", "kept") != "kept"
             saved.record = record
         self._remember(saved, key, storage)
+        if deferred is not None:
+            self._defer(saved, deferred, nbytes_of(tensor))
         self.stats.timed("pack", time.perf_counter() - start)
         self._ctx.flush_warnings()
         return saved
@@ -401,7 +435,36 @@ class Session(contextlib.ContextDecorator):
             self._ctx.account(packed)
         self._dedupe[key] = (weakref.ref(storage), weakref.ref(saved))
         self._last = weakref.ref(saved)
-        weakref.finalize(saved, _release, self._ctx, packed, self._dedupe, key)
+        weakref.finalize(saved, _release, self._ctx, saved.cell, self._dedupe, key)
+
+    def _defer(self, saved: _Saved, deferred: Defer, nbytes: int) -> None:
+        """Put ``saved`` in the recent window; pack what falls out (NOTE [ Recent window ])."""
+        window = self._window
+        window.append((weakref.ref(saved), deferred, nbytes))
+        self._window_bytes += nbytes
+        while len(window) > 1 and self._window_bytes - window[0][2] >= deferred.window:
+            ref, oldest, size = window.popleft()
+            self._window_bytes -= size
+            waiting = ref()
+            if waiting is not None:
+                self._pack_deferred(waiting, oldest)
+
+    def _pack_deferred(self, saved: _Saved, deferred: Defer) -> None:
+        held = saved.packed
+        if not isinstance(held, Held) or held.tensor is None:
+            return
+        tensor = held.tensor
+        if tensor._version != saved.version:
+            return  # changed in place: unpack raises, as autograd would
+        packed = deferred.policy.pack(tensor, self._ctx)
+        if isinstance(packed, Packed):
+            reason = held.row["reason"] if held.row is not None else ""
+            self._ctx.replace(held, packed, reason.replace(f"; {_RECENT}", ""))
+        else:
+            self._ctx.release(held)
+        saved.switch(deferred.policy, packed)
+        if saved.record is not None:
+            saved.record.offloaded = getattr(packed, "tier", "kept") != "kept"
 
     def _prefetch_before(self, saved: _Saved) -> None:
         ref = saved.prev
@@ -416,11 +479,16 @@ class Session(contextlib.ContextDecorator):
             ref = earlier.prev
 
 
-def _release(ctx: Context, packed: Any, dedupe: dict[Any, Any], key: tuple[Any, ...]) -> None:
+_KEEP = Keep()
+_RECENT = "saved last: kept for backward to start with"
+
+
+def _release(ctx: Context, cell: list[Any], dedupe: dict[Any, Any], key: tuple[Any, ...]) -> None:
     """Finalizer of a :class:`_Saved`: forget its dedupe entry and its live bytes."""
     entry = dedupe.get(key)
     if entry is not None and entry[1]() is None:
         del dedupe[key]
+    packed = cell[0]
     if isinstance(packed, Packed):
         ctx.release(packed)
 

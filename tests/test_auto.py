@@ -25,11 +25,13 @@ def fixed(free: int, total: int = 64 << 30) -> ts.auto.Probe:
     return lambda device: (free, total)
 
 
-def mlp() -> nn.Module:
+def mlp(depth: int = 1) -> nn.Module:
+    """Linear(256, 1024), ReLU, ``depth`` x (Linear(1024, 1024), ReLU), Linear(1024, 256)."""
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 256)
-    )
+    layers: list[nn.Module] = [nn.Linear(256, 1024), nn.ReLU()]
+    for _ in range(depth):
+        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(1024, 256))
 
 
 def run(model: nn.Module, policy: object) -> tuple[ts.Session, list[torch.Tensor]]:
@@ -65,14 +67,54 @@ def test_auto_keeps_everything_under_a_large_budget() -> None:
 
 
 def test_auto_budget_holds_within_one_tensor() -> None:
-    model = mlp()
-    budget = 3 * MiB
+    model = mlp(depth=4)
+    budget = 5 * MiB
     session, grads = run(model, ts.Auto(device_budget=budget, host_probe=fixed(64 << 30)))
     kept = session.stats.to_dict()["tiers"]["kept"]
     largest = max(row["bytes"] for row in session.decisions)
     assert kept["peak_bytes"] <= budget + largest
     assert session.stats.to_dict()["tiers"]["disk"]["tensors"] >= 1  # CPU: spilled
     assert "device budget reached" in reasons(session)
+    assert all(torch.equal(a, b) for a, b in zip(plain(model), grads, strict=True))
+
+
+def test_auto_keeps_the_tensors_saved_last_for_backward() -> None:
+    model = mlp(depth=4)  # saves 512x1024 float32 (2 MiB) per ReLU, then 0.5 MiB for the loss
+    budget = 8 * MiB  # 6 MiB kept from the start, a window of 2 MiB for the end
+    session, grads = run(model, ts.Auto(device_budget=budget, host_probe=fixed(64 << 30)))
+    rows = [row for row in session.decisions if row["reason"] not in ("parameter", "deduplicated")]
+    tiers = [row["tier"] for row in rows]
+    # Three ReLU outputs fit under 3/4 of the budget; the next two wait in the window and
+    # the older goes to disk once 2 MiB were saved after it; the last two stay.
+    assert tiers == ["kept", "kept", "kept", "disk", "kept", "kept"], rows
+    assert rows[3]["reason"].startswith("device budget reached; the device is host RAM: to disk; s")
+    assert "saved last" not in rows[3]["reason"]
+    assert all("saved last" in row["reason"] for row in rows[4:])
+    stats = session.stats.to_dict()["tiers"]
+    assert stats["disk"]["tensors"] == 1 and stats["host"]["tensors"] == 0
+    assert stats["kept"]["peak_bytes"] <= budget + 2 * MiB
+    assert all(torch.equal(a, b) for a, b in zip(plain(model), grads, strict=True))
+
+
+def test_deferred_tensor_changed_in_place_raises_at_backward(tmp_path: object) -> None:
+    select = ts.Select(lambda t, m: ts.Defer(ts.DiskSpill(str(tmp_path)), window=0))
+    x = torch.randn(256, 256, requires_grad=True)
+    with ts.stash(select, min_bytes=0) as session:
+        y = x.exp()  # saves its output
+        y.add_(1)  # changed while it waits in the window
+        z = (x * 3).sin().cos()  # pushes y out: not packed, it changed; then x * 3 out
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (y + z).sum().backward()
+    assert session.stats.to_dict()["tiers"]["disk"]["tensors"] == 1  # x * 3, not y
+
+
+def test_select_rule_may_defer_with_its_own_window() -> None:
+    model = mlp(depth=2)
+    select = ts.Select(lambda t, m: ts.Defer(ts.Lz4(), window=3 * MiB))
+    session, grads = run(model, select)
+    rows = [row for row in session.decisions if row["reason"] not in ("parameter", "deduplicated")]
+    # Three 2 MiB ReLU outputs, then 0.5 MiB: only the first has 3 MiB saved after it.
+    assert [row["tier"] for row in rows] == ["host", "kept", "kept", "kept"]
     assert all(torch.equal(a, b) for a, b in zip(plain(model), grads, strict=True))
 
 

@@ -45,7 +45,7 @@ def step(net: nn.Module, x: torch.Tensor, policy: object, profile: ts.Profile) -
 def offloaded(session: ts.Session) -> list[int]:
     """Positions (in pack order) of the eligible tensors that were moved off the device."""
     rows = [r for r in session.decisions if r["reason"] not in ("parameter", "deduplicated")]
-    return [i for i, row in enumerate(rows) if not row["reason"].startswith(("under", "keep"))]
+    return [i for i, row in enumerate(rows) if row["tier"] != "kept"]
 
 
 def test_profile_records_the_same_sites_each_step() -> None:
@@ -68,14 +68,20 @@ def test_auto_with_a_profile_offloads_the_earliest_tensors_from_step_two() -> No
     first = step(net, x, auto, profile)
     grads_first = [p.grad.clone() for p in net.parameters()]
     second = step(net, x, auto, profile)
-    # Step one keeps the first tensors until the budget is spent and offloads the
-    # last ones, which backward needs first: each of their reloads "stalled".
+    # Step one keeps the first tensors until 3/4 of the budget is spent and the last
+    # ones in its recent window, and offloads those between: each reload "stalled".
     early, late = offloaded(first), offloaded(second)
     eligible = len(profile.last)
-    assert early == list(range(eligible - len(early), eligible))  # the last ones: stalls
-    assert late == list(range(len(late)))  # step two offloads the tensors saved earliest
+    assert early == list(range(early[0], early[-1] + 1)) and early[0] > 0
+    assert early[-1] < eligible - 1  # the last ones stayed
+    # Step two offloads the tensors saved earliest; it keeps the last ones and the
+    # latest that stalled.
+    assert late == list(range(len(late)))
+    third = step(net, x, auto, profile)
+    assert offloaded(third) == late  # the plan is stable
     reasons = {row["reason"].split(";")[0] for row in second.decisions}
     assert "offload: saved early, time to bring it back" in reasons
+    assert "keep: backward needs it first (saved last)" in reasons
     for stats in (first.stats, second.stats):
         kept = stats.to_dict()["tiers"]["kept"]["peak_bytes"]
         assert kept <= budget + 256 * 512 * 4
@@ -86,15 +92,16 @@ def test_auto_with_a_profile_offloads_the_earliest_tensors_from_step_two() -> No
 def test_plan_keeps_a_site_whose_reload_stalled_and_offloads_another_instead() -> None:
     profile = ts.Profile(stall_s=0.01)
     sites = [("m", "op", (1,), "float32", i) for i in range(4)]
-    profile.last = {
+    profile.current = {
         sites[0]: SiteRecord(0, 100, unpack_s=0.5, offloaded=True),  # stalled backward
         sites[1]: SiteRecord(1, 100),
         sites[2]: SiteRecord(2, 100),
         sites[3]: SiteRecord(3, 100),
     }
-    plan = profile.plan(budget=200)
+    profile.start_step()  # the step ends: its records become profile.last
+    plan = profile.plan(budget=200, recent=50)
     assert plan[sites[0]].startswith("keep: its reload stalled")
-    assert plan[sites[3]].startswith("keep: backward needs it soon")
+    assert plan[sites[3]].startswith("keep: backward needs it first")
     assert plan[sites[1]].startswith("offload") and plan[sites[2]].startswith("offload")
 
 
