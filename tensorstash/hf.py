@@ -141,7 +141,8 @@ class StashTrainerCallback(TrainerCallback):
         self._local = threading.local()
         self._lock = threading.Lock()
         self._step: list[StashStats] = []
-        self._interval: list[StashStats] = []
+        self._interval = StashStats()
+        self._interval_steps = 0
 
     def __repr__(self) -> str:
         return f"StashTrainerCallback({self.policy!r}, min_bytes={self.min_bytes})"
@@ -228,6 +229,7 @@ class StashTrainerCallback(TrainerCallback):
         self.close()
         self._armed = False
         self._remove_hooks()
+        self._interval, self._interval_steps = StashStats(), 0
         if model is None:
             raise ValueError(
                 "tensorstash.hf.StashTrainerCallback: the Trainer passed no model to "
@@ -258,7 +260,9 @@ class StashTrainerCallback(TrainerCallback):
             parts, self._step = self._step, []
         if parts:
             self.stats = merge_stats(parts)
-            self._interval.append(self.stats)
+            if self.log_stats:
+                add_stats(self._interval, self.stats, decisions=False)
+                self._interval_steps += 1
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -275,10 +279,10 @@ class StashTrainerCallback(TrainerCallback):
         logs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        if not self.log_stats or logs is None or "loss" not in logs or not self._interval:
+        if not self.log_stats or logs is None or "loss" not in logs or not self._interval_steps:
             return
-        steps, self._interval = self._interval, []
-        values = interval_metrics(steps)
+        values = metrics(self._interval, per=self._interval_steps)
+        self._interval, self._interval_steps = StashStats(), 0
         logs.update(values)
         last = state.log_history[-1] if state.log_history else None
         if last is not None and last.get("step") == state.global_step and "loss" in last:
@@ -298,52 +302,49 @@ def merge_stats(parts: list[StashStats]) -> StashStats:
         return parts[0]
     merged = StashStats()
     for part in parts:
-        data = part.to_dict()
-        for tier in TIERS:
-            into, came = merged.tiers[tier], data["tiers"][tier]
-            into.tensors += came["tensors"]
-            into.bytes += came["bytes"]
-            into.stored_bytes += came["stored_bytes"]
-            into.live_bytes += came["live_bytes"]
-            into.peak_bytes = max(into.peak_bytes, came["peak_bytes"])
-        merged.pack_seconds += data["pack_seconds"]
-        merged.unpack_seconds += data["unpack_seconds"]
-        merged.wait_seconds += data["wait_seconds"]
-        merged.unpacks += data["unpacks"]
-        merged.deduplicated += data["deduplicated"]
-        merged.skipped.update(data["skipped"])
-        merged.fallbacks.update(data["fallbacks"])
-        merged.decisions.extend(data["decisions"])
+        add_stats(merged, part)
     return merged
 
 
-def metrics(stats: StashStats, prefix: str = PREFIX) -> dict[str, float]:
-    """The numbers of one step's stats, as the callback logs them.
+def add_stats(into: StashStats, part: StashStats, *, decisions: bool = True) -> None:
+    """Add ``part``'s counters to ``into`` (see :func:`merge_stats`); rows only if ``decisions``."""
+    data = part.to_dict()
+    for tier in TIERS:
+        counters, came = into.tiers[tier], data["tiers"][tier]
+        counters.tensors += came["tensors"]
+        counters.bytes += came["bytes"]
+        counters.stored_bytes += came["stored_bytes"]
+        counters.live_bytes += came["live_bytes"]
+        counters.peak_bytes = max(counters.peak_bytes, came["peak_bytes"])
+    into.pack_seconds += data["pack_seconds"]
+    into.unpack_seconds += data["unpack_seconds"]
+    into.wait_seconds += data["wait_seconds"]
+    into.unpacks += data["unpacks"]
+    into.deduplicated += data["deduplicated"]
+    into.skipped.update(data["skipped"])
+    into.fallbacks.update(data["fallbacks"])
+    if decisions:
+        into.decisions.extend(data["decisions"])
+
+
+def metrics(stats: StashStats, prefix: str = PREFIX, *, per: int = 1) -> dict[str, float]:
+    """The numbers the callback logs, from the stats of ``per`` steps added together.
 
     Per tier (``kept``, ``host``, ``disk``): ``<tier>_tensors``,
     ``<tier>_bytes`` (original size), ``<tier>_stored_bytes`` (after
-    compression) and ``<tier>_peak_bytes``; then ``compression_ratio``,
-    ``pack_seconds``, ``unpack_seconds`` and ``wait_seconds``. Keys start with
+    compression), each divided by ``per`` (a mean per step), and
+    ``<tier>_peak_bytes`` (the largest of any step); then
+    ``compression_ratio`` (of all the bytes together), ``pack_seconds``,
+    ``unpack_seconds`` and ``wait_seconds`` (means per step). Keys start with
     ``prefix``.
     """
     data = stats.to_dict()
     out: dict[str, float] = {}
     for tier, counters in data["tiers"].items():
-        for field in ("tensors", "bytes", "stored_bytes", "peak_bytes"):
-            out[f"{prefix}{tier}_{field}"] = float(counters[field])
-    for key in ("compression_ratio", "pack_seconds", "unpack_seconds", "wait_seconds"):
-        out[f"{prefix}{key}"] = float(data[key])
-    return out
-
-
-def interval_metrics(steps: list[StashStats], prefix: str = PREFIX) -> dict[str, float]:
-    """:func:`metrics` of several steps: the mean per step, the largest peaks.
-
-    The compression ratio is that of all the steps' bytes together.
-    """
-    merged = merge_stats(steps)
-    out = metrics(merged, prefix)
-    for key in out:
-        if not key.endswith(("_peak_bytes", "compression_ratio")):
-            out[key] /= len(steps)
+        for field in ("tensors", "bytes", "stored_bytes"):
+            out[f"{prefix}{tier}_{field}"] = counters[field] / per
+        out[f"{prefix}{tier}_peak_bytes"] = float(counters["peak_bytes"])
+    out[f"{prefix}compression_ratio"] = float(data["compression_ratio"])
+    for key in ("pack_seconds", "unpack_seconds", "wait_seconds"):
+        out[f"{prefix}{key}"] = data[key] / per
     return out
