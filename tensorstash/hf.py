@@ -34,6 +34,10 @@
 5. What the selector learned lives in a :class:`~tensorstash.Profile` shared
    by every training forward (made by the callback for ``policy="auto"``):
    each micro-batch is a step of the profile.
+6. ``torch.compile`` (``TrainingArguments(torch_compile=True)``) compiles the
+   model with its hooks; dynamo cannot trace pushing saved-tensor hooks, so
+   the two hooks are excluded from compilation and run eagerly, outside the
+   compiled graphs.
 """
 
 from __future__ import annotations
@@ -180,6 +184,8 @@ class StashTrainerCallback(TrainerCallback):
             open_ = self._local.open = []
         return open_
 
+    # Run eagerly under torch.compile: dynamo cannot trace pushing hooks (rule 6).
+    @torch.compiler.disable
     def _forward_begins(self, module: nn.Module, args: Any) -> None:
         open_ = self._open_sessions()
         nested = bool(open_)
@@ -199,6 +205,7 @@ class StashTrainerCallback(TrainerCallback):
         open_[-1] = session
         self.forwards += 1
 
+    @torch.compiler.disable
     def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
         open_ = self._open_sessions()
         if open_:
@@ -230,6 +237,8 @@ class StashTrainerCallback(TrainerCallback):
         self._armed = False
         self._remove_hooks()
         self._interval, self._interval_steps = StashStats(), 0
+        with self._lock:
+            self._step = []
         if model is None:
             raise ValueError(
                 "tensorstash.hf.StashTrainerCallback: the Trainer passed no model to "
