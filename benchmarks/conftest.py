@@ -10,9 +10,11 @@ Run the suites with ``python -m pytest benchmarks/ --benchmark-json out.json``.
 - ``medium``: the "medium" bench model, 64 MiB, 500 tensors, 5 rounds.
 
 Every benchmark times its own calls as well (:class:`Timer`), so figures
-derived from medians (MB/s, ratios against the raw limits, µs per tensor)
-are stored in ``benchmark.extra_info`` even under ``--benchmark-disable``,
-where pytest-benchmark keeps no statistics.
+derived from medians (MB/s, step overhead) are stored in
+``benchmark.extra_info`` even under ``--benchmark-disable``, where
+pytest-benchmark keeps no statistics. Comparisons against a reference (raw
+lz4 or file I/O, no hooks) are measured again with the two interleaved
+(:func:`interleaved`), so load from other processes hits both alike.
 """
 
 from __future__ import annotations
@@ -110,34 +112,20 @@ def run(benchmark: Any, target: Callable[[], Any], size: Size) -> tuple[Any, flo
     return result, timer.median(last=size.rounds)
 
 
-class References:
-    """Medians of reference measurements (raw limits, no-hook baselines) of this run.
+def interleaved(
+    first: Callable[[], Any], second: Callable[[], Any], rounds: int
+) -> tuple[float, float]:
+    """Median seconds of ``first`` and of ``second``, called alternately ``rounds`` times each.
 
-    A reference benchmark stores its median with :meth:`put`; a benchmark that
-    compares against it reads it with :meth:`get`, which measures the reference
-    itself (median of ``size.rounds`` calls after a warm-up) when its benchmark
-    has not run, as under ``-k`` selections.
+    A burst of load from other processes then slows both alike, so their
+    ratio holds on a shared machine where two separate benchmarks' do not.
+    One untimed call of each comes first.
     """
-
-    def __init__(self, size: Size) -> None:
-        self.size = size
-        self.medians: dict[str, float] = {}
-
-    def put(self, key: str, seconds: float) -> None:
-        self.medians[key] = seconds
-
-    def get(self, key: str, measure: Callable[[], Any]) -> float:
-        if key not in self.medians:
-            timer = Timer(measure)
-            for _ in range(self.size.rounds + 1):
-                timer()
-            self.medians[key] = timer.median(last=self.size.rounds)
-        return self.medians[key]
-
-
-@pytest.fixture(scope="session")
-def references(size: Size) -> References:
-    return References(size)
+    a, b = Timer(first), Timer(second)
+    for _ in range(rounds + 1):
+        a()
+        b()
+    return a.median(last=rounds), b.median(last=rounds)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,9 @@ and ``auto:8MiB``, Auto under a budget), run on its embedded model through its
 :func:`~tensorstash.bench.variant_context`. Each benchmark's
 ``extra_info`` holds what the step kept where: the peak stored bytes of each
 tier, the bytes saved per tier, the compression ratio, the growth of resident
-memory over one step, and whether the gradients equal plain autograd's.
+memory over one step, whether the gradients equal plain autograd's, and the
+overhead: the step's median over plain autograd's, the two run alternately
+after the benchmark.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import References, Size, record_ratio, run
+from conftest import Size, interleaved, record_ratio, run
 
 import tensorstash as ts
 from tensorstash.bench import (
@@ -85,13 +87,14 @@ def memory_info(stats: dict[str, Any] | None) -> dict[str, Any]:
 
 @pytest.mark.benchmark(group="step")
 @pytest.mark.parametrize("policy", POLICIES)
-def test_step(
-    benchmark: Any, stepper: Stepper, size: Size, references: References, policy: str
-) -> None:
+def test_step(benchmark: Any, stepper: Stepper, size: Size, policy: str) -> None:
     stats, median = run(benchmark, lambda: stepper.step(policy), size)
-    if policy == BASELINE:
-        references.put("step none", median)
-    baseline = references.get("step none", lambda: stepper.step(BASELINE))
+    overhead = 1.0
+    if policy != BASELINE:
+        plain_s, policy_s = interleaved(
+            lambda: stepper.step(BASELINE), lambda: stepper.step(policy), size.rounds
+        )
+        overhead = policy_s / plain_s
     # One more step, measured apart from the timed ones: resident memory after a heap trim.
     return_free_memory()
     with PeakRss() as meter:
@@ -100,7 +103,7 @@ def test_step(
     info.update(
         model=size.model,
         step_s=median,
-        overhead=median / baseline,
+        overhead=overhead,
         peak_rss_delta_bytes=meter.delta_bytes,
         grads_equal=stepper.grads_equal(),
     )
