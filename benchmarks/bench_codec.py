@@ -1,14 +1,18 @@
-"""Ratio and speed of each codec method on typical saved tensors.
+"""Speed and ratio of the Lz4 policy next to plain chunked lz4, on typical saved tensors.
 
-Run: ``python benchmarks/bench_codec.py [--mib 64] [--repeat 3]``.
+Run: ``python benchmarks/bench_codec.py [--mib 16] [--repeat 7]``.
 
-For each kind of data (random fp32, ReLU outputs, a dropout mask, bools, bf16
-activations) it prints, per method, the compression ratio and the encode and
-decode speed in GB/s of original bytes, with a two-thread pool and without
-one, next to plain chunked lz4 (python-lz4 on 512 KiB slices, no transform,
-no copy into a destination) measured in the same run. Timings are the best of
-``--repeat`` runs; the machine's load average is printed, since other
-processes skew every number.
+For each kind of data (random fp32, ReLU outputs with about half zeros, a
+dropout mask, a bool mask, bf16 activations) it times a whole round trip
+through the ``Lz4`` policy: ``pack`` (the sampled trial and the compression,
+on the policy's worker threads) until the compressed bytes are ready, then
+``unpack`` back to a tensor. Next to it, in the same process and interleaved
+with it, it times plain python-lz4 on the same bytes: ``lz4.block.compress``
+then ``lz4.block.decompress`` over 1 MiB slices on one thread. Each figure is
+the median of ``--repeat`` runs; ``policy/raw`` is the policy's speed over
+plain lz4's, and the ratios are original bytes over stored bytes. Every round
+trip is checked bit for bit. The machine's load average is printed, since
+other processes skew every number.
 """
 
 from __future__ import annotations
@@ -16,11 +20,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import statistics
 import sys
 import time
-from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 
 import lz4.block
@@ -29,114 +31,113 @@ from torch import Tensor
 
 # Run from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tensorstash._codec import Encoded, choose, decode, encode
+from tensorstash.compress import Compressed, Lz4
+from tensorstash.policy import Context
+from tensorstash.stats import StashStats
 
-CHUNK = 512 * 1024
+CHUNK = 1 << 20
 
 
-def make_data(nbytes: int) -> dict[str, tuple[Tensor, torch.dtype]]:
-    """Each kind of data as (payload bytes, dtype)."""
+def make_data(nbytes: int) -> dict[str, Tensor]:
+    """Each kind of data, about ``nbytes`` bytes of it."""
     generator = torch.Generator().manual_seed(0)
     floats = nbytes // 4
-    relu = torch.randn(floats, generator=generator).relu()
     keep = 0.9  # F.dropout(p=0.1) saves a float mask of {0, 1/(1-p)}
-    mask = (torch.rand(floats, generator=generator) < keep).float() / keep
-    kinds = {
+    return {
         "random fp32": torch.randn(floats, generator=generator),
-        "relu fp32": relu,
-        "dropout fp32": mask,
-        "bool": torch.rand(nbytes, generator=generator) > 0.5,
-        "bf16": torch.randn(nbytes // 2, generator=generator).bfloat16(),
+        "relu fp32": torch.randn(floats, generator=generator).relu(),
+        "dropout fp32": (torch.rand(floats, generator=generator) < keep).float() / keep,
+        "bool mask": torch.rand(nbytes, generator=generator) > 0.5,
+        "bf16 act": torch.nn.functional.gelu(
+            torch.randn(nbytes // 2, generator=generator)
+        ).bfloat16(),
     }
-    return {name: (tensor.view(torch.uint8), tensor.dtype) for name, tensor in kinds.items()}
 
 
-def best_time(run: Callable[[], object], repeat: int) -> float:
-    """Seconds of the fastest of ``repeat`` runs, after one warm-up."""
-    run()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def plain_lz4(data: Tensor) -> tuple[float, int]:
+    """Seconds to compress and decompress ``data`` in 1 MiB slices, and bytes stored."""
+    nbytes = data.numel() * data.element_size()
+    view = memoryview((ctypes.c_char * nbytes).from_address(data.data_ptr())).cast("B")
+    start = time.perf_counter()
+    blocks = [
+        lz4.block.compress(view[offset : offset + CHUNK], store_size=False)
+        for offset in range(0, nbytes, CHUNK)
+    ]
+    for index, block in enumerate(blocks):
+        lz4.block.decompress(block, uncompressed_size=min(CHUNK, nbytes - index * CHUNK))
+    return time.perf_counter() - start, sum(len(block) for block in blocks)
 
 
-def plain_lz4(payload: Tensor, pool: Executor | None, repeat: int) -> tuple[float, float, float]:
-    """Ratio, encode and decode seconds of python-lz4 on 512 KiB slices."""
-    view = memoryview((ctypes.c_char * payload.numel()).from_address(payload.data_ptr()))
-    slices = [view[start : start + CHUNK] for start in range(0, payload.numel(), CHUNK)]
+def policy_round_trip(data: Tensor, workers: int) -> tuple[float, int, str]:
+    """Seconds of Lz4 pack (until compressed) then unpack, bytes stored, the method used.
 
-    def compress(data: memoryview) -> bytes:
-        return lz4.block.compress(data, store_size=False)
-
-    def run_map(function: Callable[..., object], items: list) -> list:
-        return list(pool.map(function, items)) if pool else [function(item) for item in items]
-
-    blocks: list = run_map(compress, slices)
-
-    def decompress(pair: tuple[bytes, int]) -> bytes:
-        return lz4.block.decompress(pair[0], uncompressed_size=pair[1])
-
-    pairs = [(block, len(part)) for block, part in zip(blocks, slices, strict=True)]
-    encode_s = best_time(lambda: run_map(compress, slices), repeat)
-    decode_s = best_time(lambda: run_map(decompress, pairs), repeat)
-    ratio = payload.numel() / sum(len(block) for block in blocks)
-    return ratio, encode_s, decode_s
-
-
-def measure(
-    payload: Tensor, dtype: torch.dtype, method: str, pool: Executor | None, repeat: int
-) -> tuple[Encoded, float, float]:
-    """The encoded payload, encode and decode seconds; checks the round trip."""
-    encoded = encode(payload, dtype, method, pool=pool)
-    out = torch.empty_like(payload)
-    encode_s = best_time(lambda: encode(payload, dtype, method, pool=pool), repeat)
-    decode_s = best_time(lambda: decode(encoded, out, pool=pool), repeat)
-    if not torch.equal(out, payload):
-        raise SystemExit(f"bench_codec: {method} did not round-trip")
-    return encoded, encode_s, decode_s
+    A fresh context per run, so the sampled trial is part of every run; its
+    worker threads are started before the clock starts.
+    """
+    ctx = Context(StashStats(), workers=workers)
+    ctx.opened()
+    ctx.pool().submit(lambda: None).result()
+    policy = Lz4()
+    start = time.perf_counter()
+    packed = policy.pack(data, ctx)
+    if not isinstance(packed, Compressed):
+        raise SystemExit(f"bench_codec: Lz4 packed to {type(packed).__name__}")
+    encoded = packed.encoded(ctx)
+    restored = policy.unpack(packed, ctx)
+    seconds = time.perf_counter() - start
+    if not isinstance(restored, Tensor) or not torch.equal(
+        restored.view(torch.uint8), data.view(torch.uint8)
+    ):
+        raise SystemExit("bench_codec: the Lz4 policy did not restore the bytes")
+    ctx.closed()
+    return seconds, encoded.stored_bytes, encoded.method
 
 
-def methods_for(dtype: torch.dtype) -> list[str]:
-    if dtype == torch.bool:
-        return ["raw", "lz4", "bits", "zeros"]
-    return ["raw", "lz4", "shuffle", "zeros"]
+def compare(data: Tensor, repeat: int, workers: int) -> tuple[float, float, int, int, str]:
+    """Median seconds of the policy's and of plain lz4's round trips, taking turns.
+
+    Returns:
+        Policy seconds, plain lz4 seconds, bytes each stored, and the policy's method.
+    """
+    policy_s: list[float] = []
+    raw_s: list[float] = []
+    for round_ in range(repeat + 1):  # round 0 warms up
+        seconds, policy_bytes, method = policy_round_trip(data, workers)
+        if round_:
+            policy_s.append(seconds)
+        seconds, raw_bytes = plain_lz4(data)
+        if round_:
+            raw_s.append(seconds)
+    return statistics.median(policy_s), statistics.median(raw_s), policy_bytes, raw_bytes, method
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=64, help="MiB of each kind of data")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs per measurement")
+    parser.add_argument("--mib", type=int, default=16, help="MiB of each kind of data")
+    parser.add_argument("--repeat", type=int, default=7, help="timed runs of each, interleaved")
+    parser.add_argument("--workers", type=int, default=2, help="the policy's worker threads")
     args = parser.parse_args()
-    nbytes = args.mib << 20
-    pool = ThreadPoolExecutor(2)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.mib} MiB per kind")
-    # Other processes on the machine skew every number: say how busy it was.
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.mib} MiB per "
+        f"kind, {args.workers} workers, median of {args.repeat}"
+    )
     print("load average at start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
-    print(f"{'data':<13} {'method':<11} {'ratio':>7}  {'enc GB/s':>8} {'dec GB/s':>8}")
-    print(f"{'':<13} {'':<11} {'':>7}  {'pool|1thr':>9} {'pool|1thr':>9}")
-    for name, (payload, dtype) in make_data(nbytes).items():
-        gb = payload.numel() / 1e9
-        picked = choose(payload, dtype)
-        choose_ms = best_time(partial(choose, payload, dtype), args.repeat) * 1e3
-        ratio, enc_p, dec_p = plain_lz4(payload, pool, args.repeat)
-        _, enc_1, dec_1 = plain_lz4(payload, None, args.repeat)
+    header = (
+        f"{'data':<13} {'method':<8} {'policy MB/s':>11} {'raw MB/s':>9} {'policy/raw':>10} "
+        f"{'ratio':>7} {'raw ratio':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, data in make_data(args.mib << 20).items():
+        nbytes = data.numel() * data.element_size()
+        policy_s, raw_s, policy_bytes, raw_bytes, method = compare(data, args.repeat, args.workers)
+        policy_mbs = nbytes / policy_s / 1e6
+        raw_mbs = nbytes / raw_s / 1e6
         print(
-            f"{name:<13} {'plain lz4':<11} {ratio:>7.2f}  "
-            f"{gb / enc_p:>4.2f}|{gb / enc_1:<4.2f} {gb / dec_p:>4.2f}|{gb / dec_1:<4.2f}"
+            f"{name:<13} {method:<8} {policy_mbs:>11.0f} {raw_mbs:>9.0f} "
+            f"{policy_mbs / raw_mbs:>10.2f} {nbytes / max(1, policy_bytes):>6.2f}x "
+            f"{nbytes / max(1, raw_bytes):>8.2f}x"
         )
-        for method in methods_for(dtype):
-            encoded, enc_p, dec_p = measure(payload, dtype, method, pool, args.repeat)
-            _, enc_1, dec_1 = measure(payload, dtype, method, None, args.repeat)
-            ratio = payload.numel() / max(1, encoded.stored_bytes)
-            used = "" if encoded.method == method else f" (stored {encoded.method})"
-            print(
-                f"{'':<13} {method:<11} {ratio:>7.2f}  "
-                f"{gb / enc_p:>4.2f}|{gb / enc_1:<4.2f} {gb / dec_p:>4.2f}|{gb / dec_1:<4.2f}{used}"
-            )
-        print(f"{'':<13} choose() -> {picked!r} in {choose_ms:.1f} ms")
-    pool.shutdown()
     print("load average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
 
 

@@ -1,9 +1,13 @@
 """Lz4: lossless compression of saved tensors' bytes in host memory, on worker threads.
 
 # NOTE [ Compression ]
-1. A sampled trial (``_codec.choose``) picks, per tensor, the encoding that pays:
+1. A sampled trial (``_codec.choose``) picks the encoding that pays:
    bit-packed bools, a zero bitmap for mostly-zero data (ReLU outputs, dropout
-   masks), byte-shuffled floats, plain lz4, or nothing ("raw").
+   masks), byte-shuffled floats, plain lz4, or nothing ("raw"). The trial runs
+   once per kind of tensor in a session: the tensors that the same operation
+   saves with the same dtype, shape and stride (one per layer, say) reuse the
+   method picked for the first of them. A profile's method for the call site
+   (NOTE [ Profile ]) comes first.
 2. "raw" never copies: the bytes stay where they are (a CPU tensor's own
    storage, tier "kept"; host bytes copied from a device, tier "host"),
    counted in ``stats.fallbacks["incompressible"]``.
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -71,14 +75,36 @@ class Compressed(Packed):
         return self.future.result()
 
 
+Kind = tuple[Any, ...]
+"""What the trial's result is shared by (rule 1): operation, dtype, shape, stride."""
+
+
+def _kind(value: Tensor | Packed, layout: Layout) -> Kind:
+    grad_fn = value.grad_fn if isinstance(value, Tensor) else None
+    op = type(grad_fn).__name__ if grad_fn is not None else None
+    return (op, layout.dtype, layout.shape, layout.stride)
+
+
 def _compress(
-    payload: Tensor, dtype: torch.dtype, acceleration: int, hint: str | None
+    payload: Tensor,
+    dtype: torch.dtype,
+    acceleration: int,
+    hint: str | None,
+    methods: dict[Kind, str],
+    kind: Kind,
+    pool: Executor,
 ) -> _codec.Encoded:
-    """A worker's job: the sampled trial (unless the profile knows the site), then encoding."""
-    method = hint or _codec.choose(payload, dtype)
-    if method == "raw":  # rule 2: no copy; the payload view keeps the bytes alive
-        return _codec.Encoded("raw", payload.numel(), (payload,))
-    return _codec.encode(payload, dtype, method, acceleration=acceleration)
+    """A worker's job: the sampled trial (unless known, rule 1), then encoding."""
+    method = hint or methods.get(kind)
+    if method is None:
+        method = methods[kind] = _codec.choose(payload, dtype)
+    if method != "raw":
+        encoded = _codec.encode(payload, dtype, method, acceleration=acceleration, pool=pool)
+        if encoded.method != "raw":
+            return encoded
+    # Rule 2: no copy, also when a method reused for this kind did not pay;
+    # the payload view keeps the bytes alive.
+    return _codec.Encoded("raw", payload.numel(), (payload,))
 
 
 def _finished(
@@ -155,7 +181,18 @@ class Lz4:
         pending.wait_under(self.max_pending_bytes, ctx)
         profile = ctx.profile
         hint = profile.method(ctx.site) if profile is not None else None
-        future = ctx.pool().submit(_compress, payload, layout.dtype, self.acceleration, hint)
+        methods: dict[Kind, str] = ctx.resource("lz4-methods", dict)
+        pool = ctx.pool()
+        future = pool.submit(
+            _compress,
+            payload,
+            layout.dtype,
+            self.acceleration,
+            hint,
+            methods,
+            _kind(value, layout),
+            pool,
+        )
         # Rule 2: bytes left raw stay where they were: in the tensor's own
         # storage for a CPU tensor, in host memory for anything copied there.
         raw_tier: Tier = "kept" if device_of(value).type == "cpu" and kind != "host" else "host"

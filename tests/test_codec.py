@@ -1,5 +1,7 @@
 """The byte codec: every method restores every payload bit for bit, and never grows it.
 
+Also the Lz4 policy's choice of method: the trial, and its reuse for tensors of a kind.
+
 The oracle is the payload itself: decoded bytes are compared with the original
 bytes by ``torch.equal`` on uint8, so NaN payloads, -0.0 and denormals count.
 """
@@ -18,6 +20,9 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from tensorstash._codec import METHODS, Encoded, Stream, choose, decode, encode
+from tensorstash.compress import Compressed, Lz4
+from tensorstash.policy import Context
+from tensorstash.stats import StashStats
 
 DTYPES = [*ALL_DTYPES, torch.complex128]
 CHUNKS = [8, 100, 1000, 4096, 512 * 1024]
@@ -364,3 +369,61 @@ def test_decode_reports_corrupted_blocks() -> None:
     bad = Encoded("lz4", 4096, (Stream(1, stream.segment, stream.sizes, (b"\xff\x00",)),))
     with pytest.raises(ValueError, match="corrupted"):
         decode(bad, torch.empty(4096, dtype=torch.uint8))
+
+
+def test_choose_leaves_bf16_activations_raw() -> None:
+    # A shuffle gets about 1.2x on them, too little for its cost on 2-byte elements.
+    generator = torch.Generator().manual_seed(0)
+    values = torch.nn.functional.gelu(torch.randn(1 << 20, generator=generator)).bfloat16()
+    assert choose(as_payload(values), torch.bfloat16) == "raw"
+
+
+def test_choose_shuffles_float32_that_gains_enough() -> None:
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(512, 2048, generator=generator).log_softmax(-1)
+    assert choose(as_payload(values), torch.float32) == "shuffle"
+
+
+@pytest.mark.parametrize("method", ["lz4", "shuffle", "zeros"])
+def test_codec_keeps_the_callers_torch_threads(method: str) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        payload = as_payload(torch.randn(100_000).relu())
+        roundtrip(payload, torch.float32, method)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+# -- the Lz4 policy's trial -------------------------------------------------------
+
+
+def packed_method(policy: Lz4, tensor: Tensor, ctx: Context) -> str:
+    packed = policy.pack(tensor, ctx)
+    assert isinstance(packed, Compressed)
+    restored = policy.unpack(packed, ctx)
+    assert isinstance(restored, Tensor) and torch.equal(restored, tensor)
+    return packed.encoded(ctx).method
+
+
+def test_lz4_reuses_the_trial_for_tensors_of_the_same_kind() -> None:
+    ctx, policy = Context(StashStats()), Lz4()
+    relu = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0)).relu()
+    assert packed_method(policy, relu, ctx) == "zeros"
+    # Alone, a constant tensor is plain lz4's (the cheaper of two near ties);
+    # of the same kind as the first, it reuses "zeros".
+    assert packed_method(policy, torch.ones(256, 1024), ctx) == "zeros"
+    assert packed_method(Lz4(), torch.ones(256, 1024), Context(StashStats())) == "lz4"
+    assert packed_method(policy, torch.ones(1024, 256), ctx) == "lz4"
+
+
+def test_lz4_reused_method_that_does_not_pay_keeps_bytes_in_place() -> None:
+    ctx, policy = Context(StashStats()), Lz4()
+    relu = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0)).relu()
+    assert packed_method(policy, relu, ctx) == "zeros"
+    dense = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1)).abs() + 1
+    packed = policy.pack(dense, ctx)
+    assert isinstance(packed, Compressed)
+    (part,) = packed.encoded(ctx).parts
+    assert isinstance(part, Tensor) and part.data_ptr() == dense.data_ptr()
