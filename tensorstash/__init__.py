@@ -8,6 +8,7 @@ Example:
     >>> print(session.stats.table())
 """
 
+from tensorstash._verify import VerifyError
 from tensorstash.auto import Auto, Memory, Select
 from tensorstash.compress import Lz4
 from tensorstash.cpu import CpuOffload
@@ -22,8 +23,8 @@ __all__ = [
     "Auto",
     "Chain",
     "Context",
-    "Defer",
     "CpuOffload",
+    "Defer",
     "DiskSpill",
     "Keep",
     "Lz4",
@@ -35,6 +36,7 @@ __all__ = [
     "Session",
     "SpillError",
     "StashStats",
+    "VerifyError",
     "pause",
     "recompute",
     "recompute_modules",

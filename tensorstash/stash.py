@@ -53,6 +53,8 @@ import torch
 from torch import Tensor
 
 from tensorstash import _modules
+from tensorstash._verify import check, checksum
+from tensorstash.disk import SpillError
 from tensorstash.policy import Context, Defer, Held, Keep, Packed, Policy, bug, nbytes_of
 from tensorstash.profile import Profile, SiteRecord
 from tensorstash.stats import StashStats
@@ -120,7 +122,9 @@ class _Saved:
     __slots__ = (
         "__weakref__",
         "cell",
+        "checksum",
         "counter",
+        "origin",
         "packed",
         "policy",
         "prefetched",
@@ -139,6 +143,17 @@ class _Saved:
         self.prev = None if prev is None else weakref.ref(prev)
         self.prefetched = False
         self.record: SiteRecord | None = None
+        self.origin = (_modules.current(), source.shape, source.dtype)  # for error messages
+        self.checksum: int | Tensor | None = None
+
+    def where(self) -> str:
+        """The module that saved the tensor, for an error message."""
+        return f"module '{self.origin[0]}'" if self.origin[0] else "no module (top level)"
+
+    def describe(self) -> str:
+        """The saved tensor for an error message: its shape, dtype and module."""
+        _, shape, dtype = self.origin
+        return f"the tensor of shape {list(shape)} ({dtype}) saved by {self.where()}"
 
     def check_version(self) -> None:
         """Raise as autograd would if the saved tensor changed in place (rule 2)."""
@@ -255,9 +270,17 @@ class Session(contextlib.ContextDecorator):
     """
 
     def __init__(
-        self, policy: Policy, *, min_bytes: int, workers: int, record: bool, profile: Profile | None
+        self,
+        policy: Policy,
+        *,
+        min_bytes: int,
+        workers: int,
+        record: bool,
+        profile: Profile | None,
+        verify: bool = False,
     ) -> None:
         self.policy = policy
+        self.verify = verify
         self.min_bytes = min_bytes
         self.record = record
         self.profile = profile
@@ -354,6 +377,8 @@ class Session(contextlib.ContextDecorator):
                 why = f"{why}; {_RECENT}"
             self._ctx.attach_row(packed, self._log(tensor, packed.tier, packed.stored_bytes, why))
         saved = _Saved(policy, packed, tensor, None if self._last is None else self._last())
+        if self.verify:
+            saved.checksum = checksum(tensor)
         if record is not None:
             record.offloaded = getattr(packed, "tier", "kept") != "kept"
             saved.record = record
@@ -377,13 +402,18 @@ class Session(contextlib.ContextDecorator):
         self._prefetch_before(saved)
         record, profile = saved.record, self.profile
         began = profile.clock() if record is not None and profile is not None else 0.0
-        tensor = saved.policy.unpack(saved.packed, self._ctx)
+        try:
+            tensor = saved.policy.unpack(saved.packed, self._ctx)
+        except SpillError as error:
+            raise SpillError(f"{error} It was saved by {saved.where()}.") from error.__cause__
         if record is not None and profile is not None:
             record.unpack_s += profile.clock() - began
         if isinstance(tensor, Held):
             tensor = tensor.value()
         if not isinstance(tensor, Tensor):
             raise bug(f"policy {saved.policy!r} unpacked to {type(tensor).__name__}")
+        if saved.checksum is not None:
+            check(saved.checksum, tensor, f"{saved.describe()}, unpacked by {saved.policy!r},")
         self.stats.timed("unpack", time.perf_counter() - start)
         self._ctx.flush_warnings()
         return tensor
@@ -500,6 +530,7 @@ def stash(
     workers: int = 2,
     record: bool = False,
     profile: Profile | None = None,
+    verify: bool = False,
 ) -> Session:
     """Move the tensors autograd saves for backward out of the way.
 
@@ -518,6 +549,10 @@ def stash(
             and ``stats.to_dict()["decisions"]``.
         profile: a :class:`~tensorstash.Profile` this session updates, given to
             the session of every step; ``Auto`` plans with it from step two.
+        verify: take a checksum of every tensor a policy packs and check it
+            when backward unpacks it, raising :class:`~tensorstash.VerifyError`
+            on a mismatch instead of computing a wrong gradient (NOTE [ Verify ]
+            in _verify.py; it costs a pass over the bytes at pack and at unpack).
 
     Returns:
         A :class:`Session`: a context manager and a decorator; ``session.stats``
@@ -545,12 +580,19 @@ def stash(
         raise TypeError(f"tensorstash.stash: workers must be a positive int; got {workers!r}")
     if not isinstance(record, bool):
         raise TypeError(f"tensorstash.stash: record must be True or False; got {record!r}")
+    if not isinstance(verify, bool):
+        raise TypeError(f"tensorstash.stash: verify must be True or False; got {verify!r}")
     if profile is not None and not isinstance(profile, Profile):
         raise TypeError(
             f"tensorstash.stash: profile must be a tensorstash.Profile; got {profile!r}"
         )
     return Session(
-        resolve(policy), min_bytes=min_bytes, workers=workers, record=record, profile=profile
+        resolve(policy),
+        min_bytes=min_bytes,
+        workers=workers,
+        record=record,
+        profile=profile,
+        verify=verify,
     )
 
 
