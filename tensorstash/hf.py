@@ -241,8 +241,9 @@ class StashTrainerCallback(TrainerCallback):
             self._step = []
         if model is None:
             raise ValueError(
-                "tensorstash.hf.StashTrainerCallback: the Trainer passed no model to "
-                "on_train_begin; give the Trainer a model (not only a model_init)"
+                "tensorstash.hf.StashTrainerCallback: on_train_begin received no model, "
+                "whose forward the callback hooks; add the callback to a transformers.Trainer "
+                "(Trainer(..., callbacks=[callback])) rather than calling its events yourself"
             )
         self._handles = [
             model.register_forward_pre_hook(self._forward_begins, prepend=True),
