@@ -45,8 +45,9 @@ def plot(rows: Sequence[Row], path: str | Path, *, title: str = "", device: str 
     Top: one small panel per policy with a timeline (``Row.timeline``): the live
     bytes of each tier over one step, stacked, forward rising and backward
     falling; on CUDA also the allocator's bytes above the step's start.
-    Bottom: peak memory against median step time, one point per policy, with
-    an arrow from the first timed step of each Auto row to its last.
+    Below: peak memory against median step time, one point per policy, with
+    an arrow from the first timed step of each ``auto:<budget>`` row to its
+    last; under it, the legend of the tiers.
 
     Args:
         rows: results of :func:`tensorstash.bench.run_bench` with ``timeline=True``
@@ -78,7 +79,7 @@ def plot(rows: Sequence[Row], path: str | Path, *, title: str = "", device: str 
         _timeline_panel(axes, row, cuda=cuda, labels=index % COLUMNS == 0)
     if traced:
         handles, labels = first.get_legend_handles_labels()
-        figure.legend(handles, labels, loc="outside upper right", ncols=4, fontsize=8)
+        figure.legend(handles, labels, loc="outside lower center", ncols=4, fontsize=8)
     _tradeoff_panel(figure.add_subplot(grid[grid_rows, :]), rows, cuda=cuda)
     figure.suptitle(title, fontsize=10, x=0.01, ha="left")
     target = Path(path)
@@ -135,7 +136,8 @@ def _tradeoff_panel(axes: Any, rows: Sequence[Row], *, cuda: bool) -> None:
     axes.set_xlabel("median step time, forward + backward (s)", fontsize=9)
     axes.set_ylabel("peak memory (MiB)", fontsize=9)
     axes.set_title("memory against time per policy (lower left is better)", fontsize=9, loc="left")
-    axes.set_xlim(left=0)
+    slowest = max((t for row in rows for t in (row.step_s, *row.step_times)), default=1.0)
+    axes.set_xlim(0, 1.15 * slowest)
     axes.set_ylim(bottom=0)
     axes.grid(alpha=0.3)
     axes.tick_params(labelsize=8)
@@ -143,7 +145,10 @@ def _tradeoff_panel(axes: Any, rows: Sequence[Row], *, cuda: bool) -> None:
 
 
 def _learns(row: Row) -> bool:
-    return row.policy.startswith("auto") and len(row.step_times) >= 2 and row.peak_bytes is not None
+    """An ``auto:<budget>`` row with a first and a last timed step to compare."""
+    return (
+        row.policy.startswith("auto:") and len(row.step_times) >= 2 and row.peak_bytes is not None
+    )
 
 
 def _learning_arrow(axes: Any, row: Row) -> None:

@@ -42,6 +42,7 @@ import contextlib
 import ctypes
 import gc
 import importlib.util
+import inspect
 import re
 import statistics
 import sys
@@ -662,7 +663,7 @@ class Timeline:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy: ``t_s``, one list per tier, ``device`` and ``backward_at_s``."""
         return {
-            "t_s": list(self.t_s),
+            "t_s": [round(t, 6) for t in self.t_s],
             **{name: list(values) for name, values in self.tiers.items()},
             "device": None if self.device is None else list(self.device),
             "backward_at_s": self.backward_at_s,
@@ -1035,9 +1036,12 @@ def _snapshot_round(
     from torch.cuda import memory as cuda_memory
 
     directory.mkdir(parents=True, exist_ok=True)
+    # Each file holds one step: the history of the step before is dropped where torch can.
+    fresh = "clear_history" in inspect.signature(cuda_memory._record_memory_history).parameters
+    options: dict[str, Any] = {"clear_history": True} if fresh else {}
     for name in names:
         torch.cuda.synchronize(bench.device)
-        cuda_memory._record_memory_history(max_entries=200_000, device=bench.device)
+        cuda_memory._record_memory_history(max_entries=200_000, device=bench.device, **options)
         try:
             bench.step(name)
             cuda_memory._dump_snapshot(str(snapshot_file(directory, name)))
@@ -1165,11 +1169,15 @@ def _legend(device: torch.device) -> list[str]:
 
 
 def _learning(rows: Sequence[Row]) -> list[str]:
-    """Lines on Auto learning its Profile: first timed step against the last (rule 6)."""
+    """Lines on ``auto:<budget>`` rows learning their Profile: first timed step against the last.
+
+    Plain "auto" is left out: on the CPU its default budget keeps everything,
+    so its plan changes nothing (rule 6 of the NOTE).
+    """
     lines: list[str] = []
     for row in rows:
         count = len(row.step_times)
-        if not row.policy.startswith("auto") or count < 2 or len(row.step_overheads) != count:
+        if not row.policy.startswith(AUTO_PREFIX) or count < 2 or len(row.step_overheads) != count:
             continue
         first, last = _step_summary(row, 0), _step_summary(row, count - 1)
         lines.append(f"{row.policy}: step 1 (no profile yet) {first}; step {count} (plan) {last}")

@@ -285,6 +285,45 @@ def test_run_bench_memory_snapshot_on_cpu_raises(tmp_path: Path) -> None:
         bench.run_bench("tiny", ["none"], steps=1, memory_snapshot=tmp_path)
 
 
+def test_snapshot_round_records_each_policy_in_its_own_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The allocator calls are faked, so the file naming and the recording on/off pairs
+    # are checked on any machine; the CUDA test below runs the real ones.
+    from torch.cuda import memory as cuda_memory
+
+    calls: list[tuple[str, Any]] = []
+
+    def record(enabled: str | None = "all", **kwargs: Any) -> None:
+        calls.append(("record", enabled))
+
+    def dump(filename: str) -> None:
+        calls.append(("dump", Path(filename).name))
+        Path(filename).write_bytes(b"snapshot")
+
+    monkeypatch.setattr(cuda_memory, "_record_memory_history", record)
+    monkeypatch.setattr(cuda_memory, "_dump_snapshot", dump)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    workload = bench.builtin_workload("tiny", seed=0)
+    runner = bench._Bench(workload, torch.device("cpu"), torch.float32, seed=0)
+    runner.take_reference()
+    ticks: list[str] = []
+    bench._snapshot_round(runner, ["none", "auto:1MiB"], tmp_path / "snap", ticks.append)
+    assert calls == [
+        ("record", "all"),
+        ("dump", "none.pickle"),
+        ("record", None),
+        ("record", "all"),
+        ("dump", "auto_1MiB.pickle"),
+        ("record", None),
+    ]
+    assert sorted(p.name for p in (tmp_path / "snap").iterdir()) == [
+        "auto_1MiB.pickle",
+        "none.pickle",
+    ]
+    assert ticks == ["none", "auto:1MiB"]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_bench_memory_snapshot_writes_one_pickle_per_policy(tmp_path: Path) -> None:
