@@ -20,7 +20,7 @@ Every tensor autograd saves inside ``with stash(policy):`` reaches
 4. Order. Each pack remembers (weakly) the one before it; backward unpacks
    roughly in reverse, so unpacking one starts the prefetch of the previous few.
 5. Lifetime. The value autograd holds (a :class:`_Saved`) owns the packed
-   value; when autograd frees the graph, a finalizer releases its stats and the
+   value; when autograd frees the graph, its ``__del__`` releases its stats and the
    policy's resources. Nothing is freed in unpack: autograd may unpack again.
 6. Nesting. Only the innermost hook pair is active, so an inner session wins in
    its region; :func:`pause` pops this thread's sessions' hooks for a region.
@@ -121,10 +121,10 @@ class _Saved:
 
     __slots__ = (
         "__weakref__",
-        "cell",
         "checksum",
         "counter",
         "origin",
+        "owner",
         "packed",
         "policy",
         "prefetched",
@@ -136,7 +136,7 @@ class _Saved:
     def __init__(self, policy: Policy, packed: Any, source: Tensor, prev: _Saved | None) -> None:
         self.policy = policy
         self.packed = packed
-        self.cell = [packed]  # shared with the finalizer, which must not hold self
+        self.owner: tuple[Context, dict[Any, Any], tuple[Any, ...]] | None = None
         self.version = source._version
         held = packed.tensor if isinstance(packed, Held) else None
         self.counter = held if held is not None else _version_counter(source)
@@ -161,12 +161,17 @@ class _Saved:
         if now != self.version:
             raise _modified(self.counter, now, self.version)
 
+    def __del__(self) -> None:
+        """Autograd freed the graph that held this (rule 5): release what it holds."""
+        if self.owner is not None:
+            ctx, dedupe, key = self.owner
+            _release(ctx, self.packed, dedupe, key)
+
     def switch(self, policy: Policy, packed: Any) -> None:
         """Hold ``packed`` (from ``policy``) instead of the kept tensor (NOTE [ Recent window ])."""
         if self.counter is self.packed.tensor:
             self.counter = _version_counter(self.counter)
         self.policy, self.packed = policy, packed
-        self.cell[0] = packed
 
 
 def _version_counter(tensor: Tensor) -> Tensor:
@@ -211,7 +216,8 @@ _PARAMETER_COPIES = frozenset({"ToCopyBackward0", "TBackward0", "TransposeBackwa
 
 def _is_parameter(tensor: Tensor) -> bool:
     """A parameter, a view of one, or a cast of one (autocast's bf16 weight copies)."""
-    if isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
+    # The caller checked the type: a plain tensor or exactly a Parameter.
+    if type(tensor) is _Parameter or (tensor.requires_grad and tensor.is_leaf):
         return True
     base = tensor._base
     if base is not None and (
@@ -241,7 +247,7 @@ def _ineligible(tensor: Tensor, min_bytes: int) -> str | None:
         return "under min_bytes"
     if _WRAPPED is not None and _WRAPPED(tensor):
         return "functorch wrapper"
-    if tensor.device.type not in ("cpu", "cuda"):
+    if not (tensor.is_cpu or tensor.is_cuda):
         return f"{tensor.device.type} device"
     if tensor.is_quantized:
         return "quantized"
@@ -249,12 +255,11 @@ def _ineligible(tensor: Tensor, min_bytes: int) -> str | None:
         return "conjugate or negative view"
     if _is_parameter(tensor):
         return "parameter"
-    if _modules.is_state(tensor.untyped_storage()):
-        return "buffer"
-    return None
+    return None  # the caller checks for buffers, with the storage it needs anyway
 
 
-_PLAIN = (Tensor, torch.nn.Parameter)
+_Parameter = torch.nn.Parameter
+_PLAIN = (Tensor, _Parameter)
 
 
 # -- the session --------------------------------------------------------------------------
@@ -343,12 +348,17 @@ class Session(contextlib.ContextDecorator):
         """The pack hook: decide, dedupe, pack, account (NOTE [ Session ])."""
         start = time.perf_counter()
         reason = _ineligible(tensor, self.min_bytes)
+        storage = None
+        if reason is None:
+            storage = tensor.untyped_storage()
+            if _modules.is_state(storage):
+                reason = "buffer"
         if reason is not None:
             self.stats.skip(reason, nbytes_of(tensor))
             if self.record:
                 self._log(tensor, "kept", nbytes_of(tensor), reason)
             return _Untouched(tensor)
-        key, storage = self._dedupe_key(tensor)
+        key = self._dedupe_key(tensor, storage)
         found = self._dedupe.get(key)
         if found is not None and found[0]() is storage:
             saved = found[1]()
@@ -447,17 +457,15 @@ class Session(contextlib.ContextDecorator):
         return row
 
     @staticmethod
-    def _dedupe_key(tensor: Tensor) -> tuple[tuple[Any, ...], Any]:
-        storage = tensor.untyped_storage()
-        key = (
+    def _dedupe_key(tensor: Tensor, storage: Any) -> tuple[Any, ...]:
+        return (
             id(storage),
             tensor.storage_offset(),
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
+            tensor.shape,
+            tensor.stride(),
             tensor.dtype,
             tensor._version,
         )
-        return key, storage
 
     def _remember(self, saved: _Saved, key: tuple[Any, ...], storage: Any) -> None:
         packed = saved.packed
@@ -465,7 +473,7 @@ class Session(contextlib.ContextDecorator):
             self._ctx.account(packed)
         self._dedupe[key] = (weakref.ref(storage), weakref.ref(saved))
         self._last = weakref.ref(saved)
-        weakref.finalize(saved, _release, self._ctx, saved.cell, self._dedupe, key)
+        saved.owner = (self._ctx, self._dedupe, key)
 
     def _defer(self, saved: _Saved, deferred: Defer, nbytes: int) -> None:
         """Put ``saved`` in the recent window; pack what falls out (NOTE [ Recent window ])."""
@@ -513,12 +521,11 @@ _KEEP = Keep()
 _RECENT = "saved last: kept for backward to start with"
 
 
-def _release(ctx: Context, cell: list[Any], dedupe: dict[Any, Any], key: tuple[Any, ...]) -> None:
-    """Finalizer of a :class:`_Saved`: forget its dedupe entry and its live bytes."""
+def _release(ctx: Context, packed: Any, dedupe: dict[Any, Any], key: tuple[Any, ...]) -> None:
+    """When a :class:`_Saved` is freed: forget its dedupe entry and its live bytes."""
     entry = dedupe.get(key)
     if entry is not None and entry[1]() is None:
         del dedupe[key]
-    packed = cell[0]
     if isinstance(packed, Packed):
         ctx.release(packed)
 
