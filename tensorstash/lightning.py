@@ -112,6 +112,14 @@ class _StashCallbackBase:
             f"stash_validation={self.stash_validation})"
         )
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Spawned processes (ddp_spawn) get a pickled copy: without this run's
+        # sessions, stats (which hold locks) and wrapped methods.
+        state = self.__dict__.copy()
+        state.update(stats=None, validation_stats=None, _restore=[])
+        state.update(_train_sessions=[], _validation_sessions=[])
+        return state
+
     def _session(self) -> Session:
         return stash(
             self.policy,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import importlib
+import pickle
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +30,8 @@ pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
     pytest.mark.filterwarnings("ignore:.*does not have many workers"),
     pytest.mark.filterwarnings("ignore:.*LeafSpec.* is deprecated"),
-    pytest.mark.filterwarnings("ignore:.*reached.:UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*but have no `val_dataloader`"),
+    pytest.mark.filterwarnings("ignore:.*your dataloader is not resumable"),
 ]
 
 STEPS = 3
@@ -135,7 +137,9 @@ def fit(
 ) -> lp.Trainer:
     run = trainer(callbacks, **kwargs)
     validate = kwargs.get("limit_val_batches", 0) != 0
-    run.fit(module, loader(), loader(2) if validate else None, ckpt_path=ckpt_path)
+    # weights_only: the callback's checkpoint state must load without unpickling objects.
+    val = loader(2) if validate else None
+    run.fit(module, loader(), val, ckpt_path=ckpt_path, weights_only=True)
     return run
 
 
@@ -337,6 +341,15 @@ def test_callback_warns_when_a_checkpoint_profile_has_nowhere_to_go() -> None:
     state = StashCallback("auto").state_dict()
     with pytest.warns(UserWarning, match="has none"):
         StashCallback("lz4").load_state_dict(state)
+
+
+def test_callback_pickles_after_a_fit_for_spawned_processes() -> None:
+    callback = StashCallback("auto", min_bytes=0)
+    fit(Automatic(), [callback])
+    copy = pickle.loads(pickle.dumps(callback))
+    assert copy.stats is None and copy.profile is not None
+    assert copy.profile.current == callback.profile.current  # type: ignore[union-attr]
+    assert copy.policy == callback.policy
 
 
 # -- arguments, packages ----------------------------------------------------------------------
