@@ -205,6 +205,52 @@ def test_callback_uses_no_profile_for_other_policies() -> None:
     assert StashCallback("lz4", profile=profile).profile is profile
 
 
+class Lbfgs(Automatic):
+    """LBFGS calls its closure, hence training_step, several times per batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.calls = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.calls += 1
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+
+def test_callback_merges_the_sessions_of_one_batch(spill_dir: Path) -> None:
+    expected = Lbfgs()
+    fit(expected, [])
+    callback = StashCallback(ts.DiskSpill(directory=spill_dir), min_bytes=0)
+    actual = Lbfgs()
+    fit(actual, [callback])
+    assert_weights_equal(expected.net, actual.net)
+    assert actual.calls > 1
+    assert callback.stats is not None
+    spilled = tier_counts_of(callback.stats)["disk"]
+    assert spilled > 0 and spilled % actual.calls == 0, (spilled, actual.calls)
+    leak_check(directories=[spill_dir])
+
+
+class StopsAtBatchTwo(Automatic):
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        return -1 if batch_idx == 2 else None
+
+
+def test_callback_survives_a_batch_start_that_ends_the_epoch() -> None:
+    callback = StashCallback("lz4", min_bytes=0)
+    module = StopsAtBatchTwo()
+    fit(module, [callback], max_epochs=1, max_steps=-1)
+    assert module.global_step == 2
+    assert callback.stats is not None and tier_counts_of(callback.stats)["host"] > 0
+    assert "training_step" not in module.__dict__
+
+
 # -- validation -------------------------------------------------------------------------
 
 
