@@ -41,7 +41,8 @@ _names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _users = 0
 _handles: list[RemovableHandle] = []
-_state: weakref.WeakSet[Any] = weakref.WeakSet()  # storages of parameters and buffers
+_parameters: weakref.WeakSet[Any] = weakref.WeakSet()  # storages of parameters
+_buffers: weakref.WeakSet[Any] = weakref.WeakSet()  # storages of buffers
 
 
 def _stack() -> list[nn.Module]:
@@ -52,9 +53,12 @@ def _stack() -> list[nn.Module]:
 
 
 def _remember(module: nn.Module) -> None:
-    for tensor in (*module._parameters.values(), *module._buffers.values()):
-        if tensor is not None:
-            _state.add(tensor.untyped_storage())
+    for parameter in module._parameters.values():
+        if parameter is not None:
+            _parameters.add(parameter.untyped_storage())
+    for buffer in module._buffers.values():
+        if buffer is not None:
+            _buffers.add(buffer.untyped_storage())
 
 
 def _enter(module: nn.Module, args: Any) -> None:
@@ -95,22 +99,34 @@ def forget_stack() -> None:
 
 
 def is_state(storage: Any) -> bool:
-    """Whether a storage holds a parameter or buffer of a module that ran in a session.
+    """Whether a storage holds a parameter or buffer of a module that ran in a session."""
+    return state_kind(storage) is not None
+
+
+def state_kind(storage: Any) -> str | None:
+    """ "parameter" or "buffer" if a module that ran in a session holds ``storage``.
 
     On a miss, the tensors of the modules entered since the last miss are read
     again (their wrappers' pre-forward hooks have run since: see the module
     docstring), at most once per module call.
     """
-    if storage in _state:
-        return True
+    kind = _kind(storage)
+    if kind is not None:
+        return kind
     stack = _stack()
     reread: int = getattr(_local, "reread", 0)
     if reread >= len(stack):
-        return False
+        return None
     for module in stack[reread:]:
         _remember(module)
     _local.reread = len(stack)
-    return storage in _state
+    return _kind(storage)
+
+
+def _kind(storage: Any) -> str | None:
+    if storage in _parameters:
+        return "parameter"
+    return "buffer" if storage in _buffers else None
 
 
 def current() -> str:

@@ -5,9 +5,10 @@ Every tensor autograd saves inside ``with stash(policy):`` reaches
 :meth:`Session.pack`; backward hands back what pack returned to
 :meth:`Session.unpack`. Around any policy the session applies these rules:
 
-1. Eligibility. Parameters (and views or casts of them), module buffers
-   (see _modules.py: BatchNorm changes its saved running statistics in
-   place without bumping their version), tensors under
+1. Eligibility. Parameters (and views or casts of them), other leaf tensors
+   that require grad (the graph holds them anyway: moving them saves
+   nothing), module buffers (see _modules.py: BatchNorm changes its saved
+   running statistics in place without bumping their version), tensors under
    ``min_bytes``, and tensors no policy can handle (sparse, nested, meta,
    quantized, conjugate or negative views, functorch wrappers, subclasses such
    as fake tensors) are kept untouched and counted in ``stats.skipped``.
@@ -217,7 +218,7 @@ _PARAMETER_COPIES = frozenset({"ToCopyBackward0", "TBackward0", "TransposeBackwa
 def _is_parameter(tensor: Tensor) -> bool:
     """A parameter, a view of one, or a cast of one (autocast's bf16 weight copies)."""
     # The caller checked the type: a plain tensor or exactly a Parameter.
-    if type(tensor) is _Parameter or (tensor.requires_grad and tensor.is_leaf):
+    if type(tensor) is _Parameter:
         return True
     base = tensor._base
     if base is not None and (
@@ -255,10 +256,14 @@ def _ineligible(tensor: Tensor, min_bytes: int) -> str | None:
         return "conjugate or negative view"
     if _is_parameter(tensor):
         return "parameter"
+    if tensor.requires_grad and tensor.is_leaf:
+        return LEAF
     return None  # the caller checks for buffers, with the storage it needs anyway
 
 
 _Parameter = torch.nn.Parameter
+LEAF = "leaf that requires grad"
+"""The reason logged for a saved leaf that is not a parameter (a model input, usually)."""
 _PLAIN = (Tensor, _Parameter)
 
 
@@ -351,8 +356,7 @@ class Session(contextlib.ContextDecorator):
         storage = None
         if reason is None:
             storage = tensor.untyped_storage()
-            if _modules.is_state(storage):
-                reason = "buffer"
+            reason = _modules.state_kind(storage)
         if reason is not None:
             self.stats.skip(reason, nbytes_of(tensor))
             if self.record:

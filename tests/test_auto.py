@@ -9,8 +9,10 @@ import torch
 from torch import nn
 
 import tensorstash as ts
+from tensorstash.stash import LEAF
 
 MiB = 1 << 20
+SKIPPED = ("parameter", "deduplicated", LEAF)
 
 
 class Clock:
@@ -82,7 +84,7 @@ def test_auto_keeps_the_tensors_saved_last_for_backward() -> None:
     model = mlp(depth=4)  # saves 512x1024 float32 (2 MiB) per ReLU, then 0.5 MiB for the loss
     budget = 8 * MiB  # 6 MiB kept from the start, a window of 2 MiB for the end
     session, grads = run(model, ts.Auto(device_budget=budget, host_probe=fixed(64 << 30)))
-    rows = [row for row in session.decisions if row["reason"] not in ("parameter", "deduplicated")]
+    rows = [row for row in session.decisions if row["reason"] not in SKIPPED]
     tiers = [row["tier"] for row in rows]
     # Three ReLU outputs fit under 3/4 of the budget; the next two wait in the window and
     # the older goes to disk once 2 MiB were saved after it; the last two stay.
@@ -112,7 +114,7 @@ def test_select_rule_may_defer_with_its_own_window() -> None:
     model = mlp(depth=2)
     select = ts.Select(lambda t, m: ts.Defer(ts.Lz4(), window=3 * MiB))
     session, grads = run(model, select)
-    rows = [row for row in session.decisions if row["reason"] not in ("parameter", "deduplicated")]
+    rows = [row for row in session.decisions if row["reason"] not in SKIPPED]
     # Three 2 MiB ReLU outputs, then 0.5 MiB: only the first has 3 MiB saved after it.
     assert [row["tier"] for row in rows] == ["host", "kept", "kept", "kept"]
     assert all(torch.equal(a, b) for a, b in zip(plain(model), grads, strict=True))

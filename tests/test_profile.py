@@ -8,8 +8,10 @@ from torch import nn
 
 import tensorstash as ts
 from tensorstash.profile import SiteRecord
+from tensorstash.stash import LEAF
 
 MiB = 1 << 20
+SKIPPED = ("parameter", "deduplicated", LEAF)
 
 
 class Clock:
@@ -44,7 +46,7 @@ def step(net: nn.Module, x: torch.Tensor, policy: object, profile: ts.Profile) -
 
 def offloaded(session: ts.Session) -> list[int]:
     """Positions (in pack order) of the eligible tensors that were moved off the device."""
-    rows = [r for r in session.decisions if r["reason"] not in ("parameter", "deduplicated")]
+    rows = [r for r in session.decisions if r["reason"] not in SKIPPED]
     return [i for i, row in enumerate(rows) if row["tier"] != "kept"]
 
 
