@@ -383,6 +383,7 @@ class Session(contextlib.ContextDecorator):
         deferred = policy if isinstance(policy, Defer) else None
         if deferred is not None:
             policy = _KEEP
+            self._make_room(nbytes_of(tensor), deferred.window)
         packed = policy.pack(tensor, self._ctx)
         self._ctx.site = self._ctx.record = None
         if self.record and isinstance(packed, Packed):
@@ -398,7 +399,8 @@ class Session(contextlib.ContextDecorator):
             saved.record = record
         self._remember(saved, key, storage)
         if deferred is not None:
-            self._defer(saved, deferred, nbytes_of(tensor))
+            self._window.append((weakref.ref(saved), deferred, nbytes_of(tensor)))
+            self._window_bytes += nbytes_of(tensor)
         self.stats.timed("pack", time.perf_counter() - start)
         self._ctx.flush_warnings()
         return saved
@@ -479,17 +481,23 @@ class Session(contextlib.ContextDecorator):
         self._last = weakref.ref(saved)
         saved.owner = (self._ctx, self._dedupe, key)
 
-    def _defer(self, saved: _Saved, deferred: Defer, nbytes: int) -> None:
-        """Put ``saved`` in the recent window; pack what falls out (NOTE [ Recent window ])."""
+    def _make_room(self, nbytes: int, size: int) -> None:
+        """Pack what leaves the recent window as ``nbytes`` more enter it.
+
+        An entry leaves once the bytes saved after it, the incoming ones
+        included, reach ``size`` (NOTE [ Recent window ]). It leaves before the
+        incoming tensor is counted, so kept bytes never hold both.
+        """
         window = self._window
-        window.append((weakref.ref(saved), deferred, nbytes))
-        self._window_bytes += nbytes
-        while len(window) > 1 and self._window_bytes - window[0][2] >= deferred.window:
-            ref, oldest, size = window.popleft()
-            self._window_bytes -= size
+        site, record = self._ctx.site, self._ctx.record
+        self._ctx.site = self._ctx.record = None
+        while window and self._window_bytes - window[0][2] + nbytes >= size:
+            ref, oldest, oldest_bytes = window.popleft()
+            self._window_bytes -= oldest_bytes
             waiting = ref()
             if waiting is not None:
                 self._pack_deferred(waiting, oldest)
+        self._ctx.site, self._ctx.record = site, record
 
     def _pack_deferred(self, saved: _Saved, deferred: Defer) -> None:
         held = saved.packed
