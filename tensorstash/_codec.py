@@ -21,17 +21,17 @@ _layout.py). :func:`encode` turns it into an :class:`Encoded` value and
    length equals its decoded size is raw), and an encoding that ends up
    larger than the payload ("zeros" on dense data) is replaced by "raw". So
    ``stored_bytes`` never exceeds ``nbytes``.
-4. Threads. lz4 releases the GIL, so blocks are compressed and decompressed
-   on the ``pool`` given, a few ahead of the one needed. Transforms run on the
-   calling thread, in order, overlapping with the pool's lz4 work: several
-   threads each issuing many small torch ops mostly fight over the GIL
-   (measured: 30-50% more CPU time, no speed-up). Torch works on at most
-   ``_PIECE`` elements per op: fewer, larger ops hold the GIL for less Python
-   work. The stash's worker threads run torch single-threaded (see
-   ``policy._one_torch_thread``), so their ops start no OpenMP team that
-   would spin against the training step's. A block that no worker has started when it is needed
-   is run by the caller, so ``pool`` may be the executor the caller itself
-   runs on, even a busy one.
+4. Threads. Each segment is one job: its transform, then lz4 (or lz4, then
+   the undo). Jobs run on the ``pool`` given, a few ahead of the one needed:
+   lz4 releases the GIL and so do torch ops, and a job issues a handful of
+   ops, each on at most ``_PIECE`` elements (fewer, larger ops hold the GIL
+   for less Python work). Every codec op runs with one intra-op thread, on a
+   worker and on the caller alike (``_one_thread``): the ops are small, and an
+   OpenMP team for each spins against the training step's threads (measured
+   on a loaded 2-core machine: 5-20x slower decoding on the caller with two
+   threads). A job that no worker has started when it is needed is run by
+   the caller, so ``pool`` may be the executor the caller itself runs on,
+   even a busy one.
 5. Element views. Transforms read elements as integers of the element's width
    (bit patterns, never float values, so NaN payloads survive). torch only
    views a uint8 tensor as wider integers when its storage offset is a
@@ -218,7 +218,7 @@ def encode(
         dtype: the tensor's dtype (its itemsize drives "shuffle" and "zeros").
         method: one of :data:`METHODS`, e.g. from :func:`choose`.
         acceleration: lz4's speed/ratio trade-off; 1 compresses best.
-        pool: threads for the lz4 blocks; None compresses on this thread.
+        pool: threads for the segments; None encodes on this thread.
         chunk_bytes: payload bytes per block.
 
     Returns:
@@ -254,7 +254,7 @@ def decode(encoded: Encoded, out: Tensor, *, pool: Executor | None = None) -> No
     Args:
         encoded: as returned by :func:`encode`.
         out: 1-D contiguous uint8 CPU tensor of ``encoded.nbytes`` bytes.
-        pool: threads for the lz4 blocks; None decompresses on this thread.
+        pool: threads for the segments; None decodes on this thread.
 
     Raises:
         ValueError: when ``out`` does not fit, or ``encoded`` is corrupted.
@@ -560,7 +560,7 @@ _TRANSFORMS: dict[str, Callable[[Tensor, int], Tensor] | None] = {
 
 
 def _decode_stream(stream: Stream, method: str, out: Tensor, pool: Executor | None) -> None:
-    """Decode every block into its place in ``out``: lz4 on the pool, transforms here."""
+    """Decode every block into its place in ``out``, one job per segment (rule 4)."""
     body = out[: out.numel() - len(stream.tail)]
     step = stream.segment * stream.itemsize
     if len(stream.blocks) != len(stream.sizes) or len(stream.blocks) != -(-body.numel() // step):
