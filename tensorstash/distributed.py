@@ -16,17 +16,13 @@ Example:
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
 from tensorstash.stash import Session
-from tensorstash.stats import TIERS, StashStats, TierStats, human_bytes
-
-_SECONDS = ("pack_seconds", "unpack_seconds", "wait_seconds")
-_COUNTS = ("unpacks", "deduplicated")
+from tensorstash.stats import TIERS, StashStats, human_bytes
 
 
 @dataclass(frozen=True)
@@ -63,35 +59,6 @@ class GatheredStats:
         lines.append(f"all {len(self.ranks)} ranks:")
         lines.append(self.total.table())
         return "\n".join(lines)
-
-
-def sum_stats(ranks: list[dict[str, Any]]) -> StashStats:
-    """The counters of several ``StashStats.to_dict()`` summed into one :class:`StashStats`.
-
-    Decision logs are not merged: they stay in each rank's dictionary.
-    """
-    total = StashStats()
-    skipped: Counter[str] = Counter()
-    fallbacks: Counter[str] = Counter()
-    for data in ranks:
-        for name in TIERS:
-            counters, add = total.tiers[name], data["tiers"][name]
-            total.tiers[name] = TierStats(
-                tensors=counters.tensors + add["tensors"],
-                bytes=counters.bytes + add["bytes"],
-                stored_bytes=counters.stored_bytes + add["stored_bytes"],
-                live_bytes=counters.live_bytes + add["live_bytes"],
-                peak_bytes=counters.peak_bytes + add["peak_bytes"],
-            )
-        for key in _SECONDS:
-            setattr(total, key, getattr(total, key) + float(data[key]))
-        for key in _COUNTS:
-            setattr(total, key, getattr(total, key) + int(data[key]))
-        skipped.update(data["skipped"])
-        fallbacks.update(data["fallbacks"])
-    total.skipped = skipped
-    total.fallbacks = fallbacks
-    return total
 
 
 def gather_stats(
@@ -142,4 +109,6 @@ def gather_stats(
     if gathered is None:
         return None
     ranks: list[dict[str, Any]] = list(gathered)
-    return GatheredStats(ranks=ranks, total=sum_stats(ranks))
+    return GatheredStats(
+        ranks=ranks, total=StashStats.combined(ranks, concurrent=True, decisions=False)
+    )

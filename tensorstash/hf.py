@@ -52,7 +52,7 @@ from tensorstash.auto import Auto
 from tensorstash.policy import Policy
 from tensorstash.profile import Profile
 from tensorstash.stash import DEFAULT_MIN_BYTES, Session, resolve, stash
-from tensorstash.stats import TIERS, StashStats
+from tensorstash.stats import StashStats
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -88,7 +88,7 @@ class StashTrainerCallback(TrainerCallback):
             updates; ``None`` makes one for ``Auto`` policies.
         log_stats: add the stats to the Trainer's training logs
             (``tensorstash/host_bytes``, ``tensorstash/compression_ratio``,
-            ``tensorstash/wait_seconds``, ...; see :func:`metrics`).
+            ``tensorstash/wait_seconds``, ...; see :meth:`tensorstash.StashStats.metrics`).
 
     Attributes:
         stats: the last optimizer step's stats, all its micro-batches together
@@ -269,9 +269,9 @@ class StashTrainerCallback(TrainerCallback):
         with self._lock:
             parts, self._step = self._step, []
         if parts:
-            self.stats = merge_stats(parts)
+            self.stats = parts[0] if len(parts) == 1 else StashStats.combined(parts)
             if self.log_stats:
-                add_stats(self._interval, self.stats, decisions=False)
+                self._interval.merge(self.stats, decisions=False)
                 self._interval_steps += 1
 
     def on_train_end(
@@ -291,70 +291,9 @@ class StashTrainerCallback(TrainerCallback):
     ) -> None:
         if not self.log_stats or logs is None or "loss" not in logs or not self._interval_steps:
             return
-        values = metrics(self._interval, per=self._interval_steps)
+        values = self._interval.metrics(PREFIX, per=self._interval_steps)
         self._interval, self._interval_steps = StashStats(), 0
         logs.update(values)
         last = state.log_history[-1] if state.log_history else None
         if last is not None and last.get("step") == state.global_step and "loss" in last:
             last.update(values)
-
-
-# -- stats ------------------------------------------------------------------------------
-
-
-def merge_stats(parts: list[StashStats]) -> StashStats:
-    """One :class:`~tensorstash.StashStats` for several sessions run one after the other.
-
-    Counters, seconds and decision rows add up; a tier's peak is the largest
-    of the sessions' peaks.
-    """
-    if len(parts) == 1:
-        return parts[0]
-    merged = StashStats()
-    for part in parts:
-        add_stats(merged, part)
-    return merged
-
-
-def add_stats(into: StashStats, part: StashStats, *, decisions: bool = True) -> None:
-    """Add ``part``'s counters to ``into`` (see :func:`merge_stats`); rows only if ``decisions``."""
-    data = part.to_dict()
-    for tier in TIERS:
-        counters, came = into.tiers[tier], data["tiers"][tier]
-        counters.tensors += came["tensors"]
-        counters.bytes += came["bytes"]
-        counters.stored_bytes += came["stored_bytes"]
-        counters.live_bytes += came["live_bytes"]
-        counters.peak_bytes = max(counters.peak_bytes, came["peak_bytes"])
-    into.pack_seconds += data["pack_seconds"]
-    into.unpack_seconds += data["unpack_seconds"]
-    into.wait_seconds += data["wait_seconds"]
-    into.unpacks += data["unpacks"]
-    into.deduplicated += data["deduplicated"]
-    into.skipped.update(data["skipped"])
-    into.fallbacks.update(data["fallbacks"])
-    if decisions:
-        into.decisions.extend(data["decisions"])
-
-
-def metrics(stats: StashStats, prefix: str = PREFIX, *, per: int = 1) -> dict[str, float]:
-    """The numbers the callback logs, from the stats of ``per`` steps added together.
-
-    Per tier (``kept``, ``host``, ``disk``): ``<tier>_tensors``,
-    ``<tier>_bytes`` (original size), ``<tier>_stored_bytes`` (after
-    compression), each divided by ``per`` (a mean per step), and
-    ``<tier>_peak_bytes`` (the largest of any step); then
-    ``compression_ratio`` (of all the bytes together), ``pack_seconds``,
-    ``unpack_seconds`` and ``wait_seconds`` (means per step). Keys start with
-    ``prefix``.
-    """
-    data = stats.to_dict()
-    out: dict[str, float] = {}
-    for tier, counters in data["tiers"].items():
-        for field in ("tensors", "bytes", "stored_bytes"):
-            out[f"{prefix}{tier}_{field}"] = counters[field] / per
-        out[f"{prefix}{tier}_peak_bytes"] = float(counters["peak_bytes"])
-    out[f"{prefix}compression_ratio"] = float(data["compression_ratio"])
-    for key in ("pack_seconds", "unpack_seconds", "wait_seconds"):
-        out[f"{prefix}{key}"] = data[key] / per
-    return out

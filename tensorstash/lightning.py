@@ -45,9 +45,9 @@ from typing import Any
 
 from tensorstash.auto import Auto
 from tensorstash.policy import Policy
-from tensorstash.profile import Profile, SiteRecord
+from tensorstash.profile import Profile
 from tensorstash.stash import DEFAULT_MIN_BYTES, Session, resolve, stash
-from tensorstash.stats import TIERS, StashStats
+from tensorstash.stats import StashStats
 
 _INSTALL = "pip install tensorstash[lightning]"
 
@@ -65,9 +65,6 @@ except ImportError:
             "tensorstash.lightning needs Lightning (the lightning or pytorch_lightning "
             f"package), which is not installed: {_INSTALL}"
         ) from error
-
-PROFILE_STATE_VERSION = 1
-"""Version of the profile state that :meth:`StashCallback.state_dict` writes."""
 
 
 class _StashCallbackBase:
@@ -187,10 +184,10 @@ class _StashCallbackBase:
     ) -> None:
         if not self._train_sessions:
             return
-        self.stats = merge_stats([s.stats for s in self._train_sessions])
+        self.stats = _merged([s.stats for s in self._train_sessions])
         self._train_sessions.clear()
         if self.log_stats:
-            pl_module.log_dict(metrics(self.stats), on_step=True, on_epoch=False, batch_size=1)
+            pl_module.log_dict(self.stats.metrics(), on_step=True, on_epoch=False, batch_size=1)
 
     def on_validation_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
@@ -207,7 +204,7 @@ class _StashCallbackBase:
         dataloader_idx: int = 0,
     ) -> None:
         if self._validation_sessions:
-            self.validation_stats = merge_stats([s.stats for s in self._validation_sessions])
+            self.validation_stats = _merged([s.stats for s in self._validation_sessions])
             self._validation_sessions.clear()
 
     # Checkpoints (rule 6) -----------------------------------------------------------
@@ -215,7 +212,7 @@ class _StashCallbackBase:
     def state_dict(self) -> dict[str, Any]:
         if self.profile is None:
             return {}
-        return {"profile": profile_state(self.profile)}
+        return {"profile": self.profile.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = state_dict.get("profile")
@@ -229,7 +226,7 @@ class _StashCallbackBase:
                 stacklevel=2,
             )
             return
-        load_profile_state(self.profile, state)
+        self.profile.load_state_dict(state)
 
 
 class StashCallback(_StashCallbackBase, _Callback):
@@ -314,107 +311,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# -- stats --------------------------------------------------------------------------------
-
-
-def merge_stats(parts: list[StashStats]) -> StashStats:
-    """One :class:`~tensorstash.StashStats` for several sessions of one batch.
-
-    Counters and seconds add up; a tier's peak is the largest of the sessions'
-    peaks (the sessions of one batch run one after the other).
-    """
-    if len(parts) == 1:
-        return parts[0]
-    merged = StashStats()
-    for part in parts:
-        data = part.to_dict()
-        for tier in TIERS:
-            into, came = merged.tiers[tier], data["tiers"][tier]
-            into.tensors += came["tensors"]
-            into.bytes += came["bytes"]
-            into.stored_bytes += came["stored_bytes"]
-            into.live_bytes += came["live_bytes"]
-            into.peak_bytes = max(into.peak_bytes, came["peak_bytes"])
-        merged.pack_seconds += data["pack_seconds"]
-        merged.unpack_seconds += data["unpack_seconds"]
-        merged.wait_seconds += data["wait_seconds"]
-        merged.unpacks += data["unpacks"]
-        merged.deduplicated += data["deduplicated"]
-        merged.skipped.update(data["skipped"])
-        merged.fallbacks.update(data["fallbacks"])
-        merged.decisions.extend(data["decisions"])
-    return merged
-
-
-def metrics(stats: StashStats, prefix: str = "tensorstash/") -> dict[str, float]:
-    """The numbers :class:`StashCallback` logs for a batch.
-
-    Per tier (``kept``, ``host``, ``disk``): ``<tier>_tensors``, ``<tier>_bytes``
-    (original size), ``<tier>_stored_bytes`` (after compression) and
-    ``<tier>_peak_bytes``; then ``compression_ratio``, ``pack_seconds``,
-    ``unpack_seconds`` and ``wait_seconds``. Keys start with ``prefix``.
-    """
-    data = stats.to_dict()
-    out: dict[str, float] = {}
-    for tier, counters in data["tiers"].items():
-        for field in ("tensors", "bytes", "stored_bytes", "peak_bytes"):
-            out[f"{prefix}{tier}_{field}"] = float(counters[field])
-    for key in ("compression_ratio", "pack_seconds", "unpack_seconds", "wait_seconds"):
-        out[f"{prefix}{key}"] = float(data[key])
-    return out
-
-
-# -- profile state (rule 6) -----------------------------------------------------------------
-
-_RECORD_FIELDS = ("order", "nbytes", "unpack_s", "offloaded", "method")
-
-
-def profile_state(profile: Profile) -> dict[str, Any]:
-    """What ``profile`` learned, as lists, strings and numbers.
-
-    The sites of the last finished step: ``current`` when a step has run since
-    the last ``start_step``, else ``last``; ``steps`` counts that step.
-    """
-    sites, steps = (
-        (profile.current, profile.steps + 1) if profile.current else (profile.last, profile.steps)
-    )
-    rows = []
-    for site, record in sites.items():
-        module, op, shape, dtype, occurrence = site
-        rows.append(
-            {
-                "module": module,
-                "op": op,
-                "shape": list(shape),
-                "dtype": dtype,
-                "occurrence": occurrence,
-                **{name: getattr(record, name) for name in _RECORD_FIELDS},
-            }
-        )
-    return {
-        "version": PROFILE_STATE_VERSION,
-        "steps": steps,
-        "sites": rows,
-    }
-
-
-def load_profile_state(profile: Profile, state: dict[str, Any]) -> None:
-    """Make ``state`` (from :func:`profile_state`) the last step of ``profile``.
-
-    Raises:
-        ValueError: the state was written by another version of this format.
-    """
-    version = state.get("version")
-    if version != PROFILE_STATE_VERSION:
-        raise ValueError(
-            f"tensorstash.lightning: the checkpoint's profile state has version {version!r}, "
-            f"this tensorstash reads version {PROFILE_STATE_VERSION}; resume without it "
-            "(drop checkpoint['callbacks'] entry of StashCallback) to learn it again"
-        )
-    last: dict[Any, SiteRecord] = {}
-    for row in state["sites"]:
-        site = (row["module"], row["op"], tuple(row["shape"]), row["dtype"], row["occurrence"])
-        last[site] = SiteRecord(**{name: row[name] for name in _RECORD_FIELDS})
-    profile.steps = int(state["steps"])
-    profile.last = last
-    profile.current = {}
+def _merged(parts: list[StashStats]) -> StashStats:
+    """The sessions of one batch (run one after the other) as one."""
+    return parts[0] if len(parts) == 1 else StashStats.combined(parts)

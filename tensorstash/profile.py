@@ -24,6 +24,11 @@ from typing import Any
 
 from torch import Tensor
 
+STATE_VERSION = 1
+"""The format of :meth:`Profile.state_dict`."""
+
+_RECORD_FIELDS = ("order", "nbytes", "unpack_s", "offloaded", "method")
+
 Site = tuple[str, str | None, tuple[int, ...], str, int]
 """``(module, op, shape, dtype, occurrence)``: rule 1 of NOTE [ Profile ]."""
 
@@ -91,6 +96,58 @@ class Profile:
                 elif record.offloaded:
                     self.stalls.discard(site)
         self._seen.clear()
+
+    # -- checkpoints -------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this profile learned, as lists, strings and numbers (for a checkpoint).
+
+        The sites of the last finished step (``current`` when a step ran since
+        the last :meth:`start_step`, else ``last``), ``steps`` counting it, and
+        which sites stalled. :meth:`load_state_dict` restores it.
+        """
+        sites, steps = (self.current, self.steps + 1) if self.current else (self.last, self.steps)
+        stalls = set(self.stalls)
+        for site, record in sites.items():  # as start_step would count that step
+            if record.offloaded:
+                stalls.discard(site)
+                if record.unpack_s > self.stall_s:
+                    stalls.add(site)
+        rows = [
+            {
+                "module": module,
+                "op": op,
+                "shape": list(shape),
+                "dtype": dtype,
+                "occurrence": occurrence,
+                "stalled": (module, op, shape, dtype, occurrence) in stalls,
+                **{name: getattr(record, name) for name in _RECORD_FIELDS},
+            }
+            for (module, op, shape, dtype, occurrence), record in sites.items()
+        ]
+        return {"version": STATE_VERSION, "steps": steps, "sites": rows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make ``state`` (from :meth:`state_dict`) this profile's last step.
+
+        Raises:
+            ValueError: the state is not one :meth:`state_dict` of this version wrote.
+        """
+        version = state.get("version") if isinstance(state, dict) else None
+        if version != STATE_VERSION:
+            raise ValueError(
+                f"tensorstash.Profile: a saved state of version {version!r} cannot be loaded: "
+                f"this tensorstash reads version {STATE_VERSION}. Start from a new Profile "
+                "(it learns again from the next step)"
+            )
+        last: dict[Site, SiteRecord] = {}
+        stalls: set[Site] = set()
+        for row in state["sites"]:
+            site = (row["module"], row["op"], tuple(row["shape"]), row["dtype"], row["occurrence"])
+            last[site] = SiteRecord(**{name: row[name] for name in _RECORD_FIELDS})
+            if row.get("stalled"):
+                stalls.add(site)
+        self.steps, self.last, self.current, self.stalls = int(state["steps"]), last, {}, stalls
 
     def site(self, module: str, tensor: Tensor) -> Site:
         """The call site of a tensor being saved now (rule 1)."""

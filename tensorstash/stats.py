@@ -20,7 +20,10 @@ class TierStats:
         bytes: their original size.
         stored_bytes: their size as stored (after compression).
         live_bytes: stored bytes held in this tier now.
-        peak_bytes: the most stored bytes held in this tier at once.
+        peak_bytes: the most stored bytes held in this tier at once, including
+            bytes that rested here only while background work ran (a tensor
+            waiting for compression counts in "host" until it is found
+            incompressible and left in "kept").
     """
 
     tensors: int = 0
@@ -164,6 +167,79 @@ class StashStats:
                 "fallbacks": dict(self.fallbacks),
                 "decisions": [dict(row) for row in self.decisions],
             }
+
+    # -- several sessions ------------------------------------------------------
+
+    def merge(
+        self,
+        other: StashStats | dict[str, Any],
+        *,
+        concurrent: bool = False,
+        decisions: bool = True,
+    ) -> None:
+        """Add another session's counters (a ``StashStats`` or its ``to_dict()``) to these.
+
+        Counters and seconds add up. Peaks add up for sessions that held their
+        bytes at the same time (``concurrent``: ranks, threads) and are the
+        largest of the two for sessions run one after the other (the steps or
+        micro-batches of a loop). ``decisions``: extend the decision log too.
+        """
+        data = other.to_dict() if isinstance(other, StashStats) else other
+        with self._lock:
+            for name in TIERS:
+                into, came = self.tiers[name], data["tiers"][name]
+                into.tensors += came["tensors"]
+                into.bytes += came["bytes"]
+                into.stored_bytes += came["stored_bytes"]
+                into.live_bytes += came["live_bytes"]
+                peak = came["peak_bytes"]
+                into.peak_bytes = (
+                    into.peak_bytes + peak if concurrent else max(into.peak_bytes, peak)
+                )
+            self.pack_seconds += data["pack_seconds"]
+            self.unpack_seconds += data["unpack_seconds"]
+            self.wait_seconds += data["wait_seconds"]
+            self.unpacks += data["unpacks"]
+            self.deduplicated += data["deduplicated"]
+            self.skipped.update(data["skipped"])
+            self.fallbacks.update(data["fallbacks"])
+            if decisions:
+                self.decisions.extend(dict(row) for row in data["decisions"])
+
+    @classmethod
+    def combined(
+        cls,
+        parts: list[StashStats] | list[dict[str, Any]],
+        *,
+        concurrent: bool = False,
+        decisions: bool = True,
+    ) -> StashStats:
+        """New stats holding the sum of ``parts`` (see :meth:`merge`)."""
+        total = cls()
+        for part in parts:
+            total.merge(part, concurrent=concurrent, decisions=decisions)
+        return total
+
+    def metrics(self, prefix: str = "tensorstash/", *, per: int = 1) -> dict[str, float]:
+        """Flat numbers for a logger, as integrations log them.
+
+        Per tier (``kept``, ``host``, ``disk``): ``<tier>_tensors``,
+        ``<tier>_bytes`` (original size) and ``<tier>_stored_bytes`` (after
+        compression), each divided by ``per`` (a mean over ``per`` steps merged
+        together), and ``<tier>_peak_bytes``; then ``compression_ratio``, and
+        ``pack_seconds``, ``unpack_seconds`` and ``wait_seconds`` divided by
+        ``per``. Keys start with ``prefix``.
+        """
+        data = self.to_dict()
+        out: dict[str, float] = {}
+        for name, counters in data["tiers"].items():
+            for key in ("tensors", "bytes", "stored_bytes"):
+                out[f"{prefix}{name}_{key}"] = counters[key] / per
+            out[f"{prefix}{name}_peak_bytes"] = float(counters["peak_bytes"])
+        out[f"{prefix}compression_ratio"] = float(data["compression_ratio"])
+        for key in ("pack_seconds", "unpack_seconds", "wait_seconds"):
+            out[f"{prefix}{key}"] = data[key] / per
+        return out
 
     def _ratio_unlocked(self) -> float:
         moved = [self.tiers["host"], self.tiers["disk"]]

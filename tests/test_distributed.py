@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 import tensorstash as ts
 from tensorstash import _modules
-from tensorstash.distributed import GatheredStats, gather_stats, sum_stats
+from tensorstash.distributed import GatheredStats, gather_stats
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -298,19 +298,13 @@ def test_gather_stats_dst_and_session(job: tuple[list[dict[str, Any]], Path]) ->
     assert [rank["gather"]["via_session"] for rank in job[0]] == [False, True]
 
 
-def test_sum_stats_adds_counters() -> None:
+def test_gathered_stats_table_names_every_rank() -> None:
     first, second = ts.StashStats(), ts.StashStats()
     first.add("host", 1000, 250)
-    first.skip("parameter", 64)
-    second.add("host", 3000, 750)
     second.add("disk", 500, 500)
-    second.fallback("incompressible")
-    total = sum_stats([first.to_dict(), second.to_dict()])
-    assert total.tiers["host"].bytes == 4000 and total.tiers["host"].stored_bytes == 1000
-    assert total.tiers["disk"].tensors == 1 and total.tiers["kept"].bytes == 64
-    assert total.compression_ratio == (4000 + 500) / (1000 + 500)
-    assert total.skipped == {"parameter": 1} and total.fallbacks == {"incompressible": 1}
-    assert isinstance(GatheredStats([first.to_dict()], total).table(), str)
+    ranks = [first.to_dict(), second.to_dict()]
+    table = GatheredStats(ranks, ts.StashStats.combined(ranks, concurrent=True)).table()
+    assert "all 2 ranks" in table and "\n0 " in table and "\n1 " in table
 
 
 def test_gather_stats_needs_a_process_group() -> None:

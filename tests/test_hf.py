@@ -360,15 +360,13 @@ def test_import_without_transformers_names_the_extra(monkeypatch: pytest.MonkeyP
 
 
 def test_metrics_average_steps_and_keep_the_largest_peak() -> None:
-    from tensorstash.hf import add_stats, metrics
-
     first, second, interval = ts.StashStats(), ts.StashStats(), ts.StashStats()
     first.add("host", 100, 50)
     second.add("host", 300, 100)
     second.timed("wait", 0.5)
     for step in (first, second):
-        add_stats(interval, step, decisions=False)
-    values = metrics(interval, per=2)
+        interval.merge(step, decisions=False)
+    values = interval.metrics(per=2)
     assert values.keys() == KEYS
     assert values["tensorstash/host_bytes"] == 200
     assert values["tensorstash/host_stored_bytes"] == 75

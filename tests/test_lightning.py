@@ -24,7 +24,7 @@ pytest.importorskip("lightning")
 import lightning.pytorch as lp
 
 import tensorstash as ts
-from tensorstash.lightning import StashCallback, load_profile_state, profile_state
+from tensorstash.lightning import StashCallback
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
@@ -347,7 +347,7 @@ def test_callback_profile_round_trips_through_a_checkpoint(tmp_path: Path) -> No
     path = tmp_path / "last.ckpt"
     run.save_checkpoint(path)
     assert first.profile is not None
-    saved = profile_state(first.profile)
+    saved = first.profile.state_dict()
     assert saved["steps"] == STEPS and saved["sites"]
 
     # Resume for one more step: the plan of the first step comes from the checkpoint.
@@ -357,30 +357,10 @@ def test_callback_profile_round_trips_through_a_checkpoint(tmp_path: Path) -> No
     assert second.profile is not None and second.stats is not None
     assert second.profile.steps == STEPS
     loaded = ts.Profile()
-    load_profile_state(loaded, saved)
+    loaded.load_state_dict(saved)
     assert second.profile.last == loaded.last
     reasons = {row["reason"].split(":")[0] for row in second.stats.decisions}
     assert {"keep", "offload"} <= reasons, f"the resumed step did not plan: {reasons}"
-
-
-def test_profile_state_loads_what_it_saved() -> None:
-    profile = ts.Profile()
-    x = torch.randn(64, 64, requires_grad=True)
-    for _ in range(2):
-        with ts.stash(ts.Auto(device_budget=0), min_bytes=0, profile=profile):
-            loss = (x.sin() * 2).cos().sum()
-        loss.backward()
-    state = profile_state(profile)
-    fresh = ts.Profile()
-    load_profile_state(fresh, state)
-    assert fresh.steps == 2
-    assert fresh.last == profile.current
-    assert profile_state(fresh) == state
-
-
-def test_profile_state_rejects_another_version() -> None:
-    with pytest.raises(ValueError, match="version 99"):
-        load_profile_state(ts.Profile(), {"version": 99, "steps": 0, "sites": []})
 
 
 def test_callback_warns_when_a_checkpoint_profile_has_nowhere_to_go() -> None:
