@@ -119,14 +119,28 @@ def _tradeoff_panel(axes: Any, rows: Sequence[Row], *, cuda: bool) -> None:
     peak_label = (
         "peak CUDA memory (max allocated)" if cuda else "stash peak in RAM (kept + host tiers)"
     )
-    for row in rows:
-        rss = row.peak_rss_bytes / MIB
-        axes.scatter(row.step_s, rss, marker="x", color="#8c8c8c", s=28, zorder=2)
-        y = rss if row.peak_bytes is None else row.peak_bytes / MIB
+    points = [
+        (row, row.peak_rss_bytes / MIB if row.peak_bytes is None else row.peak_bytes / MIB)
+        for row in rows
+    ]
+    slowest = max((t for row in rows for t in (row.step_s, *row.step_times)), default=1.0)
+    highest = max((max(y, row.peak_rss_bytes / MIB) for row, y in points), default=1.0)
+    placed: list[tuple[float, float]] = []
+    for row, y in points:
+        axes.scatter(row.step_s, row.peak_rss_bytes / MIB, marker="x", color="#8c8c8c", s=28)
         if row.peak_bytes is not None:
             axes.scatter(row.step_s, y, color="#c44e52", s=36, zorder=3)
+        # Labels of points close together are stacked upwards instead of overprinted.
+        near = sum(
+            abs(x - row.step_s) < 0.06 * slowest and abs(v - y) < 0.05 * highest for x, v in placed
+        )
+        placed.append((row.step_s, y))
         axes.annotate(
-            row.policy, (row.step_s, y), xytext=(4, 3), textcoords="offset points", fontsize=8
+            row.policy,
+            (row.step_s, y),
+            xytext=(4, 3 + 9 * near),
+            textcoords="offset points",
+            fontsize=8,
         )
         _learning_arrow(axes, row)
     axes.scatter([], [], color="#c44e52", s=36, label=peak_label)
@@ -136,7 +150,6 @@ def _tradeoff_panel(axes: Any, rows: Sequence[Row], *, cuda: bool) -> None:
     axes.set_xlabel("median step time, forward + backward (s)", fontsize=9)
     axes.set_ylabel("peak memory (MiB)", fontsize=9)
     axes.set_title("memory against time per policy (lower left is better)", fontsize=9, loc="left")
-    slowest = max((t for row in rows for t in (row.step_s, *row.step_times)), default=1.0)
     axes.set_xlim(0, 1.15 * slowest)
     axes.set_ylim(bottom=0)
     axes.grid(alpha=0.3)
