@@ -16,8 +16,10 @@
    truncated or corrupted file raises :class:`SpillError` naming the tensor.
    Nothing is ever unpickled.
 5. A file is deleted when its packed value is freed (never at unpack). The
-   private directory is removed at exit; directories left by dead processes of
-   the same user are removed when a new one is made.
+   private directory is removed at exit (atexit, or multiprocessing's exit for
+   its children); directories left by dead processes of the same user are
+   removed when a new one is made. A forked child makes its own directory and
+   never removes its parent's files or directory.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import atexit
 import contextlib
 import dataclasses
 import errno
+import multiprocessing.util
 import os
 import shutil
 import stat
@@ -132,6 +135,7 @@ class SpillDirectory:
         self.path = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=parent))
         os.chmod(self.path, 0o700)
         self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.pid = os.getpid()  # a forked child inherits this object but must not touch it
         self._count = 0
         self._lock = threading.Lock()
 
@@ -148,6 +152,8 @@ class SpillDirectory:
         return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
 
     def remove(self, name: str) -> None:
+        if self.pid != os.getpid():
+            return  # the parent's file, freed in a forked child: the parent removes it
         with self._lock:
             if self.fd < 0:
                 return  # closed: the directory and its files are already gone
@@ -155,7 +161,9 @@ class SpillDirectory:
                 os.unlink(name, dir_fd=self.fd)
 
     def close(self) -> None:
-        """Remove the directory and everything in it."""
+        """Remove the directory and everything in it (in the process that made it)."""
+        if self.pid != os.getpid():
+            return
         with self._lock:
             shutil.rmtree(self.path, ignore_errors=True)
             if self.fd >= 0:
@@ -172,7 +180,7 @@ def spill_directory(parent: Path) -> SpillDirectory:
     key = parent.resolve()
     with _directories_lock:
         found = _directories.get(key)
-        if found is None or not found.path.is_dir():
+        if found is None or found.pid != os.getpid() or not found.path.is_dir():
             found = _directories[key] = SpillDirectory(key)
         return found
 
@@ -183,6 +191,25 @@ def _remove_directories() -> None:
         for directory in _directories.values():
             directory.close()
         _directories.clear()
+
+
+def _forget_inherited() -> None:
+    """In a forked child: the directories belong to the parent; start with none."""
+    global _directories_lock
+    _directories.clear()
+    _directories_lock = threading.Lock()  # another thread may have held it at the fork
+
+
+def _remove_at_multiprocessing_exit(_: object = None) -> None:
+    """Children of multiprocessing (DDP ranks, DataLoader workers) end with
+    os._exit, which skips atexit; multiprocessing runs its finalizers first.
+    A forked child starts with none, hence the registration after fork too."""
+    multiprocessing.util.Finalize(None, _remove_directories, exitpriority=0)
+
+
+os.register_at_fork(after_in_child=_forget_inherited)
+_remove_at_multiprocessing_exit()
+multiprocessing.util.register_after_fork(_remove_directories, _remove_at_multiprocessing_exit)
 
 
 # -- what gets written ------------------------------------------------------------------

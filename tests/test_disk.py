@@ -140,3 +140,69 @@ def test_disk_spill_removes_stale_directories_of_dead_processes(tmp_path: Path) 
     removed = disk.remove_stale(tmp_path)
     assert removed == [str(stale)]
     assert alive.exists() and unrelated.exists()
+
+
+_FORK_SCRIPT = """
+import gc, multiprocessing, os, sys
+import torch
+import tensorstash as ts
+from tensorstash import disk
+
+torch.set_num_threads(1)  # a fork after a multi-threaded OpenMP op hangs the child
+parent = sys.argv[1]
+
+
+def dirs():
+    return sorted(p for p in os.listdir(parent) if p.startswith("tensorstash-"))
+
+
+def spill_and_backward():
+    x = torch.randn(256, 256, requires_grad=True)
+    with ts.stash(ts.DiskSpill(parent), min_bytes=0):
+        y = (x * 2).sin().sum()
+    y.backward()
+
+
+if __name__ == "__main__":
+    x = torch.randn(256, 256, requires_grad=True)
+    with ts.stash(ts.DiskSpill(parent), min_bytes=0):
+        y = (x * 2).sin()  # the parent holds a spilled tensor
+    mine = dirs()
+    pid = os.fork()
+    if pid == 0:  # spills too, frees its copy of the parent's values, exits
+        code = 1
+        try:
+            spill_and_backward()
+            del y
+            gc.collect()
+            disk._remove_directories()  # what its exit runs
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert dirs() == mine, (dirs(), mine)  # the child removed its own directory only
+    y.sum().backward()  # the parent's files are all there
+    del x, y
+    gc.collect()
+    disk._remove_directories()
+    for start in ("fork", "spawn"):  # children that end with os._exit
+        child = multiprocessing.get_context(start).Process(target=spill_and_backward)
+        child.start()
+        child.join(120)
+        assert child.exitcode == 0, start
+        assert dirs() == [], (start, dirs())
+    print("ok")
+"""
+
+
+def test_forked_and_multiprocessing_children_keep_to_their_own_directory(tmp_path: Path) -> None:
+    script = tmp_path / "children.py"
+    script.write_text(_FORK_SCRIPT)
+    spills = tmp_path / "spills"
+    spills.mkdir()
+    result = subprocess.run(
+        [sys.executable, str(script), str(spills)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    assert spill_dirs(spills) == []
