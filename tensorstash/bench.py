@@ -34,6 +34,11 @@ model, and the numbers are only comparable if nothing but the variant differs:
 7. Timelines (``--plot``) and allocator snapshots (``--memory-snapshot``)
    come from extra untimed rounds after the timed ones: their hooks cost time,
    so no timed step carries them.
+8. On CUDA the whole run uses deterministic algorithms
+   (``torch.use_deterministic_algorithms``, and ``CUBLAS_WORKSPACE_CONFIG``
+   set to ":4096:8" unless the user set it), restored afterwards: some CUDA
+   kernels (atomic adds in attention and embedding backward) give different
+   bits on every run, and rule 4's check would then say nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import ctypes
 import gc
 import importlib.util
 import inspect
+import os
 import re
 import statistics
 import sys
@@ -102,6 +108,8 @@ CONFIGS: dict[str, ModelConfig] = {
     "small": ModelConfig(vocab=2048, seq_len=128, d_model=256, n_head=4, n_layer=4, batch=4),
     # A few seconds per step on 2 CPU cores.
     "medium": ModelConfig(vocab=8192, seq_len=256, d_model=512, n_head=8, n_layer=8, batch=8),
+    # For a GPU: about 10 GiB of activations in float32, a fraction of that in weights.
+    "large": ModelConfig(vocab=32768, seq_len=1024, d_model=2048, n_head=16, n_layer=8, batch=8),
 }
 
 
@@ -940,7 +948,7 @@ def run_bench(
     describes; "none" (plain autograd) is always run first, as the baseline.
 
     Args:
-        config_name: a key of :data:`CONFIGS`: "tiny", "small" or "medium".
+        config_name: a key of :data:`CONFIGS`: "tiny", "small", "medium" or "large".
         policies: names from :data:`ALL_POLICIES` or ``auto:<budget>``.
         steps: timed steps per variant.
         device: "cpu" or "cuda".
@@ -983,7 +991,36 @@ def run_bench(
     if workload is None:
         workload = builtin_workload(config_name, seed)
     check_blocks(names, workload)
-    bench = _Bench(workload, resolved_device, resolved_dtype, seed)
+    with _deterministic(resolved_device):
+        bench = _Bench(workload, resolved_device, resolved_dtype, seed)
+        return _rounds(bench, names, steps, warmup, progress, timeline, memory_snapshot)
+
+
+@contextlib.contextmanager
+def _deterministic(device: torch.device) -> Iterator[None]:
+    """Rule 8 of NOTE [ Fair comparison ]: deterministic CUDA kernels for the run."""
+    if device.type != "cuda":
+        yield
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def _rounds(
+    bench: _Bench,
+    names: list[str],
+    steps: int,
+    warmup: int,
+    progress: Callable[[str], None] | None,
+    timeline: bool,
+    memory_snapshot: str | Path | None,
+) -> list[Row]:
+    """The rounds of :func:`run_bench`, in the order NOTE [ Fair comparison ] gives."""
     tick = progress or (lambda name: None)
     bench.take_reference()
     tick(BASELINE)

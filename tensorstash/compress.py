@@ -34,6 +34,7 @@ from tensorstash import _codec
 from tensorstash._layout import Layout
 from tensorstash.policy import (
     Context,
+    HostBytes,
     Packed,
     Pending,
     Returns,
@@ -53,14 +54,15 @@ class Compressed(Packed):
         layout: how to rebuild the tensor.
         kind: what unpack returns (see ``policy.from_host``).
         future: resolves to the ``_codec.Encoded`` bytes.
-        source: the uncompressed bytes, held until compression is done.
+        source: the uncompressed bytes (or the host bytes that will hold
+            them once copied), held until compression is done.
         restored: decompressed bytes prepared by prefetch (a cache, not a resource).
     """
 
     layout: Layout | None = None
     kind: Returns = "tensor"
     future: Future[_codec.Encoded] | None = None
-    source: Tensor | None = None
+    source: Tensor | HostBytes | None = None
     restored: Future[Tensor] | None = None
 
     def encoded(self, ctx: Context) -> _codec.Encoded:
@@ -86,7 +88,7 @@ def _kind(value: Tensor | Packed, layout: Layout) -> Kind:
 
 
 def _compress(
-    payload: Tensor,
+    payload: Tensor | HostBytes,
     dtype: torch.dtype,
     acceleration: int,
     hint: str | None,
@@ -95,6 +97,8 @@ def _compress(
     pool: Executor,
 ) -> _codec.Encoded:
     """A worker's job: the sampled trial (unless known, rule 1), then encoding."""
+    if isinstance(payload, HostBytes):
+        payload = payload.ready()
     method = hint or methods.get(kind)
     if method is None:
         method = methods[kind] = _codec.choose(payload, dtype)
@@ -173,8 +177,10 @@ class Lz4:
             )
 
     def pack(self, value: Tensor | Packed, ctx: Context) -> Packed:
-        host, kind = to_host(value)
-        layout, payload = host.layout, host.ready()
+        # Host bytes still being copied from the device (CpuOffload before this
+        # stage) are waited for by the worker, not here: rule 3.
+        host, kind = to_host(value, wait=False)
+        layout, payload = host.layout, host if kind == "host" else host.ready()
         if layout is None:
             raise bug("HostBytes without a layout")
         pending: Pending = ctx.resource("lz4-pending", Pending)

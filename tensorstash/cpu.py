@@ -14,12 +14,20 @@ On CUDA every cross-stream use is ordered by an event or a ``wait_stream``:
    (``record_stream``), since it was allocated on the copy-back stream.
 3. A pinned buffer goes back to the pool when its packed value is freed, with
    an event recorded after the last copy that read it; the pool hands it out
-   again only once that event has completed.
+   again only once that event has completed, and only once nothing else uses
+   its memory: a later stage of a Chain (Lz4 keeping incompressible bytes raw,
+   DiskSpill writing in the background) may hold views of it past the packed
+   value's life.
+4. At most ``max_inflight_bytes`` of device tensors wait for their copy to the
+   host: beyond it, pack waits for the oldest copies. Without that bound a
+   forward pass that saves faster than the link moves would keep every source
+   alive, and offloading would save no device memory at all.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +60,7 @@ class PinnedPool:
         self._free: dict[int, deque[tuple[Tensor, _Event | None]]] = {}
         self._cached = 0
         self._lock = threading.Lock()
+        self._alone = _storage_users(torch.empty(1, dtype=torch.uint8))
 
     @property
     def cached_bytes(self) -> int:
@@ -60,11 +69,11 @@ class PinnedPool:
     def take(self, nbytes: int) -> Tensor:
         """A buffer of ``nbytes`` bytes no pending copy still reads."""
         with self._lock:
-            free = self._free.get(nbytes)
-            if free:
-                buffer, last_use = free[0]
-                if last_use is None or last_use.query():
-                    free.popleft()
+            free = self._free.get(nbytes) or deque()
+            for index, (buffer, last_use) in enumerate(free):
+                unused = _storage_users(buffer) == self._alone
+                if unused and (last_use is None or last_use.query()):
+                    del free[index]
                     self._cached -= nbytes
                     return buffer
         return self._allocate(nbytes)
@@ -88,6 +97,18 @@ class PinnedPool:
             self._cached = 0
 
 
+def _storage_users(buffer: Tensor) -> int | None:
+    """How many tensors share ``buffer``'s memory (views included); None where torch cannot say.
+
+    None never equals the count of a lone buffer, so a pool that cannot tell
+    never reuses a buffer (rule 3 of NOTE [ Streams ]).
+    """
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    return int(count(buffer.untyped_storage()._cdata))
+
+
 @dataclass(eq=False, slots=True, weakref_slot=True)
 class OnHost(HostBytes):
     """A CUDA tensor's bytes in a pinned host buffer, filled by an asynchronous copy.
@@ -105,14 +126,52 @@ class OnHost(HostBytes):
     uses: list[Any] | None = None
 
     def ready(self) -> Tensor:
+        """A view of the pinned buffer, once the copy into it has completed.
+
+        A view, not the buffer: the pool counts the tensors that share the
+        buffer, and reuses it only when none is left (rule 3 of NOTE [ Streams ]).
+        """
         if self.copied is not None:
             self.copied.synchronize()
             self.source = None
-        return super(OnHost, self).ready()
+        return super(OnHost, self).ready().detach()
 
     def ready_unsynced(self) -> Tensor:
-        """The pinned buffer, for a copy that is itself ordered after ``copied``."""
-        return super(OnHost, self).ready()
+        """A view of the pinned buffer, for a copy that is itself ordered after ``copied``."""
+        return super(OnHost, self).ready().detach()
+
+
+class Inflight:
+    """Device-to-host copies still running, oldest first, and the bytes they pin
+    on the device (rules 1 and 4 of NOTE [ Streams ])."""
+
+    def __init__(self) -> None:
+        self._copies: deque[tuple[OnHost, int]] = deque()
+        self.nbytes = 0
+
+    def add(self, packed: OnHost, nbytes: int) -> None:
+        self._copies.append((packed, nbytes))
+        self.nbytes += nbytes
+
+    def reap(self, max_bytes: int | None = None) -> None:
+        """Drop the sources of completed copies; then, while more than
+        ``max_bytes`` are in flight, wait for the oldest."""
+        while self._copies:
+            packed, nbytes = self._copies[0]
+            if not packed.copied.query():
+                if max_bytes is None or self.nbytes <= max_bytes:
+                    return
+                packed.copied.synchronize()
+            self._copies.popleft()
+            self.nbytes -= nbytes
+            packed.source = None
+
+    def close(self) -> None:
+        for packed, _ in self._copies:
+            packed.copied.synchronize()
+            packed.source = None
+        self._copies.clear()
+        self.nbytes = 0
 
 
 class _Cuda:
@@ -125,18 +184,10 @@ class _Cuda:
         self.pool = PinnedPool(
             lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True), max_cached_bytes
         )
-        self.inflight: deque[OnHost] = deque()
-
-    def reap(self) -> None:
-        """Drop the sources of copies that have completed (rule 1 of NOTE [ Streams ])."""
-        while self.inflight and self.inflight[0].copied.query():
-            self.inflight.popleft().source = None
+        self.inflight = Inflight()
 
     def close(self) -> None:
-        for packed in self.inflight:
-            packed.copied.synchronize()
-            packed.source = None
-        self.inflight.clear()
+        self.inflight.close()
         self.pool.close()
 
 
@@ -149,14 +200,18 @@ class CpuOffload:
     """Move saved device tensors to host RAM; bring them back in backward.
 
     On CUDA the copies run on side streams, ordered by events (see NOTE
-    [ Streams ]), into pinned buffers reused across steps. A tensor already on
-    the host is kept as it is (nothing to move), counted in
-    ``stats.fallbacks["already on host"]``.
+    [ Streams ]), into pinned buffers that the session reuses while it lives and
+    frees with its last graph (PyTorch's pinned-memory cache then keeps them for
+    the next step). A tensor already on the host is kept as it is (nothing to
+    move), counted in ``stats.fallbacks["already on host"]``.
 
     Args:
         pin_memory: copy into page-locked host memory (needed for asynchronous
             copies; a plain copy is synchronous).
         max_cached_bytes: pinned bytes kept for reuse once their tensors are freed.
+        max_inflight_bytes: device bytes whose copy to the host may still be
+            running; beyond it, saving a tensor waits for the oldest copies, so
+            that the device memory is really given back (rule 4 of NOTE [ Streams ]).
 
     Example:
         >>> with tensorstash.stash(tensorstash.CpuOffload()) as session:
@@ -165,6 +220,7 @@ class CpuOffload:
 
     pin_memory: bool = True
     max_cached_bytes: int = 8 << 30
+    max_inflight_bytes: int = 1 << 30
 
     stage_rank: ClassVar[int] = 0
 
@@ -173,16 +229,20 @@ class CpuOffload:
             raise TypeError(
                 f"tensorstash.CpuOffload: pin_memory must be True or False; got {self.pin_memory!r}"
             )
-        if isinstance(self.max_cached_bytes, bool) or not isinstance(self.max_cached_bytes, int):
-            raise TypeError(
-                "tensorstash.CpuOffload: max_cached_bytes must be an int number of bytes; "
-                f"got {self.max_cached_bytes!r}"
-            )
-        if self.max_cached_bytes < 0:
-            raise ValueError(
-                "tensorstash.CpuOffload: max_cached_bytes must be >= 0 (0 disables the "
-                f"pinned-buffer cache); got {self.max_cached_bytes}"
-            )
+        hints = {
+            "max_cached_bytes": "0 disables the pinned-buffer cache",
+            "max_inflight_bytes": "0 waits for every copy, as save_on_cpu does",
+        }
+        for name, hint in hints.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(
+                    f"tensorstash.CpuOffload: {name} must be an int number of bytes; got {value!r}"
+                )
+            if value < 0:
+                raise ValueError(
+                    f"tensorstash.CpuOffload: {name} must be >= 0 ({hint}); got {value}"
+                )
 
     def pack(self, value: Tensor | Packed, ctx: Context) -> Packed:
         tensor = value.tensor if isinstance(value, Held) else value
@@ -200,7 +260,9 @@ class CpuOffload:
 
     def _pack_cuda(self, tensor: Tensor, ctx: Context) -> OnHost:
         cuda = self._cuda(tensor.device, ctx)
-        cuda.reap()
+        start = time.perf_counter()
+        cuda.inflight.reap(self.max_inflight_bytes)
+        ctx.stats.timed("wait", time.perf_counter() - start)
         layout, payload = describe(tensor)
         buffer = cuda.pool.take(layout.nbytes)
         copied = torch.cuda.Event()
@@ -221,7 +283,7 @@ class CpuOffload:
             copied=copied,
             uses=uses,
         )
-        cuda.inflight.append(packed)
+        cuda.inflight.add(packed, layout.nbytes)
         finalize(packed, _give_back, cuda.pool, buffer, uses)
         return packed
 
@@ -254,6 +316,7 @@ class CpuOffload:
         return device_bytes, restored
 
     def _restore(self, packed: OnHost, ctx: Context, consumer: Any) -> Tensor:
+        self._cuda(_layout_of(packed).device, ctx).inflight.reap()
         restored = packed.restored or self._copy_back(packed, ctx)
         packed.restored = None  # a cache of prefetch, not a resource: see Rule 5 of stash.py
         device_bytes, event = restored

@@ -349,9 +349,11 @@ class DiskSpill:
     def pack(self, value: Tensor | Packed, ctx: Context) -> Spilled:
         directory = spill_directory(self._parent())
         if isinstance(value, HostBytes) or not isinstance(value, Packed) or isinstance(value, Held):
-            host, kind = to_host(value)
+            # Host bytes still being copied from the device are waited for by
+            # the writer, not here (rule 3).
+            host, kind = to_host(value, wait=False)
             layout = host.layout
-            source: Any = host.ready()
+            source: Any = host if kind == "host" else host.ready()
             inner = None
             nbytes = host.nbytes
         else:
@@ -409,6 +411,8 @@ def _write(
         packed.inner = dataclasses.replace(inner, future=None, source=None, restored=None)
         skeleton = _flatten(encoded, buffers)
     else:
+        if isinstance(source, HostBytes):
+            source = packed.source = source.ready()
         buffers = [memory(source)]
         skeleton = None
     try:

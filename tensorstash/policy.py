@@ -101,16 +101,19 @@ class HostBytes(Packed):
 Returns = Literal["tensor", "held", "host"]
 
 
-def to_host(value: Tensor | Packed) -> tuple[HostBytes, Returns]:
+def to_host(value: Tensor | Packed, *, wait: bool = True) -> tuple[HostBytes, Returns]:
     """The host bytes of a stage's input, and which kind :func:`from_host` must rebuild.
 
     A CPU tensor's payload is a view of its storage: the caller must finish
     reading it before the tensor may change, and keep the tensor alive meanwhile
     (the returned value does). A device tensor is copied to the host here,
-    synchronously; use CpuOffload first for an asynchronous copy.
+    synchronously; use CpuOffload first for an asynchronous copy, whose
+    completion is waited for here unless ``wait`` is False (the kind is then
+    "host", and the caller calls ``ready()`` where it may block).
     """
     if isinstance(value, HostBytes):
-        value.ready()
+        if wait:
+            value.ready()
         return value, "host"
     kind: Returns = "tensor"
     if isinstance(value, Held):

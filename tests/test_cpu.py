@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tensorstash as ts
-from tensorstash.cpu import PinnedPool
+from tensorstash.cpu import Inflight, OnHost, PinnedPool
 
 
 class FakeEvent:
@@ -51,6 +51,71 @@ def test_pinned_pool_waits_for_the_last_copy_before_reuse() -> None:
     assert pool.take(4096) is not buffer  # a copy still reads it
     copy.done = True
     assert pool.take(4096) is buffer
+
+
+def test_pinned_pool_never_hands_out_a_buffer_a_view_still_reads() -> None:
+    # A later stage of a Chain (Lz4 keeping raw bytes, a spill write in flight)
+    # may hold a view of the buffer after its packed value is freed.
+    pool, made = make_pool()
+    buffer = pool.take(4096)
+    view = buffer[100:200]
+    pool.give(buffer, None)
+    other = pool.take(4096)
+    assert other is not buffer
+    pool.give(other, None)
+    assert pool.take(4096) is other  # the next free buffer, not the one in use
+    del view
+    assert pool.take(4096) is buffer
+    assert made == [4096, 4096]
+
+
+def test_pinned_pool_keeps_a_buffer_a_later_stage_still_reads() -> None:
+    pool, _ = make_pool()
+    buffer = pool.take(4096)
+    packed = OnHost("host", 4096, 4096, payload=buffer)
+    read_by_next_stage = packed.ready()  # what Lz4 or DiskSpill keep while they work
+    del packed
+    pool.give(buffer, None)  # what freeing the packed value does
+    assert pool.take(4096) is not buffer
+    del read_by_next_stage
+    assert pool.take(4096) is buffer
+
+
+def fake_copy(nbytes: int, done: bool = False) -> OnHost:
+    source = torch.empty(nbytes, dtype=torch.uint8)
+    return OnHost("host", nbytes, nbytes, source=source, copied=FakeEvent(done))
+
+
+def test_inflight_drops_the_sources_of_finished_copies_only() -> None:
+    inflight = Inflight()
+    first, second = fake_copy(1000, done=True), fake_copy(1000)
+    inflight.add(first, 1000)
+    inflight.add(second, 1000)
+    inflight.reap()
+    assert first.source is None and second.source is not None
+    assert inflight.nbytes == 1000
+    assert not second.copied.waited
+
+
+def test_inflight_waits_for_the_oldest_copies_beyond_its_bound() -> None:
+    inflight = Inflight()
+    copies = [fake_copy(1000) for _ in range(4)]
+    for packed in copies:
+        inflight.add(packed, 1000)
+    inflight.reap(max_bytes=2500)
+    assert [packed.copied.waited for packed in copies] == [True, True, False, False]
+    assert [packed.source is None for packed in copies] == [True, True, False, False]
+    assert inflight.nbytes == 2000
+    inflight.reap(max_bytes=0)
+    assert all(packed.source is None for packed in copies) and inflight.nbytes == 0
+
+
+@pytest.mark.parametrize("name", ["max_inflight_bytes", "max_cached_bytes"])
+def test_cpu_offload_byte_limits_are_checked(name: str) -> None:
+    with pytest.raises(ValueError, match=f"{name} must be >= 0"):
+        ts.CpuOffload(**{name: -1})
+    with pytest.raises(TypeError, match=f"{name} must be an int"):
+        ts.CpuOffload(**{name: 1.5})
 
 
 def test_pinned_pool_caches_at_most_max_cached_bytes() -> None:

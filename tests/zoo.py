@@ -53,16 +53,16 @@ def weighted_sum(seed: int) -> Loss:
     a permuted or misaligned saved tensor changes the gradients (a plain
     ``sum()`` would hide many such mistakes).
     """
-    weights: dict[tuple[torch.Size, torch.dtype], Tensor] = {}
+    weights: dict[tuple[torch.Size, torch.dtype, torch.device], Tensor] = {}
 
     def loss(out: object) -> Tensor:
         if isinstance(out, tuple):
             out = out[0]
         assert isinstance(out, Tensor)
-        key = (out.shape, out.dtype)
+        key = (out.shape, out.dtype, out.device)
         if key not in weights:
             gen = torch.Generator().manual_seed(seed)
-            weights[key] = torch.randn(out.shape, generator=gen).to(out.dtype)
+            weights[key] = torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
         return (out * weights[key]).sum()
 
     return loss

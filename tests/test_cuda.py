@@ -1,0 +1,184 @@
+"""On a CUDA device: every zoo model under every policy, the streams, the budget, verify.
+
+Skipped where there is no CUDA device. The oracle is plain autograd on the same
+device, with deterministic algorithms so that two runs of the same model give the
+same bits without tensorstash.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from checks import (
+    PolicySpec,
+    assert_grads_equal,
+    assert_went_to,
+    grads_of,
+    leak_check,
+    tier_counts,
+)
+from torch import nn
+from zoo import ZOO, Case
+
+import tensorstash as ts
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+MODELS = [pytest.param(name, id=name) for name in ZOO]
+
+
+@pytest.fixture(autouse=True)
+def deterministic() -> Iterator[None]:
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+def on_cuda(case: Case) -> Case:
+    """The same case with its model and inputs on the CUDA device."""
+    inputs = tuple(x.detach().cuda().requires_grad_(x.requires_grad) for x in case.inputs)
+    return Case(case.name, case.model.cuda(), inputs, case.loss)
+
+
+def run(case: Case, ctx: Any = None) -> dict[str, Any]:
+    return grads_of(case.model, case.inputs, case.loss, ctx)
+
+
+def device_tier(spec: PolicySpec) -> str:
+    """Where a CUDA tensor ends: CpuOffload moves it to the host, the rest as on the CPU."""
+    return "host" if spec.tier == "kept" and "cpu" in spec.id else spec.tier
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cuda_zoo_grads_equal_plain(name: str, spec: PolicySpec, policy: Any) -> None:
+    expected = run(on_cuda(ZOO[name]()))
+    session = ts.stash(policy, min_bytes=0)
+    actual = run(on_cuda(ZOO[name]()), session)
+    assert_grads_equal(expected, actual)
+    assert_went_to(session, device_tier(spec))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cuda_zoo_releases_everything(name: str, policy: Any, spill_dirs: list[Path]) -> None:
+    session = ts.stash(policy, min_bytes=0, verify=True)
+    for _ in range(3):
+        run(on_cuda(ZOO[name]()), session)
+    torch.cuda.synchronize()
+    leak_check(session, directories=spill_dirs)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cuda_zoo_auto_with_a_small_budget(name: str) -> None:
+    expected = run(on_cuda(ZOO[name]()))
+    session = ts.stash(ts.Auto(device_budget=64 << 10), min_bytes=0, record=True)
+    actual = run(on_cuda(ZOO[name]()), session)
+    assert_grads_equal(expected, actual)
+    largest = max(row["bytes"] for row in session.decisions)
+    kept = session.stats.to_dict()["tiers"]["kept"]
+    assert kept["peak_bytes"] <= (64 << 10) + largest
+
+
+class Wide(nn.Module):
+    """Activations dominate memory: wide layers on a large batch, small weights."""
+
+    def __init__(self, width: int = 1024, depth: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def peak_of_step(model: nn.Module, x: torch.Tensor, ctx: Any = None) -> tuple[int, list[Any]]:
+    """Peak CUDA bytes above the start of a step, and the gradients."""
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    if ctx is None:
+        loss = model(x).square().mean()
+    else:
+        with ctx:
+            loss = model(x).square().mean()
+    loss.backward()
+    torch.cuda.synchronize()
+    grads = [p.grad.clone() for p in model.parameters()]
+    return torch.cuda.max_memory_allocated() - start, grads
+
+
+def test_cuda_cpu_offload_halves_peak_memory_with_equal_gradients() -> None:
+    torch.manual_seed(0)
+    model = Wide(depth=16).cuda()
+    x = torch.randn(8192, 1024, device="cuda")
+    peak_of_step(model, x)  # warm the allocator and cuBLAS
+    plain, expected = peak_of_step(model, x)
+    session = ts.stash(ts.CpuOffload())
+    offloaded, actual = peak_of_step(model, x, session)
+    for e, a in zip(expected, actual, strict=True):
+        assert torch.equal(e, a)
+    assert tier_counts(session)["host"] >= 8
+    assert offloaded <= plain * 0.5, f"peak {offloaded} bytes under cpu vs {plain} plain"
+
+
+def test_cuda_verify_catches_a_corrupted_host_copy() -> None:
+    from tensorstash.cpu import OnHost
+
+    x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+    gc.collect()
+    with ts.stash(ts.CpuOffload(), min_bytes=0, verify=True):
+        y = x.exp()
+    torch.cuda.synchronize()
+    packed = [obj for obj in gc.get_objects() if isinstance(obj, OnHost)]
+    assert len(packed) == 1, f"expected one tensor on the host, found {len(packed)}"
+    packed[0].ready()[123] ^= 0xFF  # the pinned copy of exp's output, between forward and backward
+    with pytest.raises(ts.VerifyError):
+        y.sum().backward()
+
+
+def test_cuda_recompute_with_dropout_matches_plain() -> None:
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*(ZOO["transformer"]().model for _ in range(3))).cuda()
+    x = torch.randn(4, 64, 128, device="cuda", requires_grad=True)
+
+    def step(model: nn.Module, ctx: Any = None) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        if ctx is None:
+            loss = model(x).square().sum()
+        else:
+            with ctx:
+                loss = model(x).square().sum()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    expected = step(blocks)
+    mixed = nn.Sequential(ts.recompute(blocks[0]), blocks[1], ts.recompute(blocks[2]))
+    actual = step(mixed, ts.stash(ts.CpuOffload(), min_bytes=0))
+    for e, a in zip(expected, actual, strict=True):
+        assert torch.equal(e, a)
+
+
+def test_cuda_bench_rows_on_the_device(tmp_path: Path) -> None:
+    from tensorstash.cli import main
+
+    argv = ["bench", "--model", "tiny", "--steps", "2", "--warmup", "1", "--device", "cuda"]
+    policies = "keep,cpu,lz4,disk,auto,recompute,save_on_cpu,checkpoint"
+    assert main([*argv, "--policies", policies, "--json", str(tmp_path / "b.json")]) == 0
+    rows = json.loads((tmp_path / "b.json").read_text())
+    assert rows[0]["policy"] == "none"
+    ours = [row for row in rows if row["policy"] not in ("save_on_cpu", "checkpoint")]
+    assert all(row["grads_equal"] for row in ours), ours
