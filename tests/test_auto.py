@@ -220,3 +220,36 @@ def test_decision_log_names_modules_after_an_interrupted_forward() -> None:
         nn.Sequential(nn.Linear(8, 8), Interrupts())(torch.randn(2, 8))
     session, _ = run(mlp(), "keep")
     assert {row["module"] for row in session.decisions} >= {"0", "1", "2"}
+
+
+@pytest.mark.parametrize(
+    ("available", "expected", "reason"),
+    [
+        (64 << 30, ts.CpuOffload(), "device budget reached"),
+        (3 << 30, ts.Chain(ts.CpuOffload(), ts.Lz4()), "host memory tight"),
+        (1 << 30, ts.Chain(ts.CpuOffload(), ts.Lz4(), ts.DiskSpill()), "host memory low"),
+    ],
+    ids=["plain-copy", "compressed", "spilled"],
+)
+def test_auto_moves_device_tensors_by_host_memory_left(
+    available: int, expected: object, reason: str
+) -> None:
+    # A device tensor past the budget goes to the host as it is (the link is faster
+    # than lz4), compressed under twice host_reserve, spilled under host_reserve.
+    from tensorstash.auto import Memory
+    from tensorstash.policy import Context
+    from tensorstash.stats import StashStats
+
+    auto = ts.Auto(device_budget=MiB, host_reserve=2 << 30, host_probe=fixed(available))
+    ctx = Context(StashStats())
+    state = auto.state(ctx)
+    tensor = torch.empty(1 << 20, device="meta")  # 4 MiB "on a device", never allocated
+    held = {"kept": 2 * MiB, "host": 0, "disk": 0}
+    memory = Memory(device_free=8 << 30, device_total=16 << 30, host_available=available, held=held)
+    policy, why = state.decide(tensor, memory, ctx)
+    policy = policy.policy if isinstance(policy, ts.Defer) else policy
+    assert why.startswith("device budget reached" if reason != "host memory low" else reason)
+    assert reason in why
+    assert type(policy) is type(expected)
+    if isinstance(expected, ts.Chain):
+        assert [type(s) for s in policy.stages] == [type(s) for s in expected.stages]

@@ -201,8 +201,14 @@ def test_forked_and_multiprocessing_children_keep_to_their_own_directory(tmp_pat
     script.write_text(_FORK_SCRIPT)
     spills = tmp_path / "spills"
     spills.mkdir()
+    # CPU only: autograd cannot run in a forked child once it has run on a CUDA device.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run(
-        [sys.executable, str(script), str(spills)], capture_output=True, text=True, timeout=300
+        [sys.executable, str(script), str(spills)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
     assert spill_dirs(spills) == []
