@@ -26,7 +26,7 @@ from torch import Tensor
 
 from tensorstash.compress import Lz4
 from tensorstash.cpu import CpuOffload
-from tensorstash.disk import DiskSpill
+from tensorstash.disk import DiskSpill, check_directory
 from tensorstash.policy import Chain, Context, Defer, Keep, Policy
 from tensorstash.stats import Tier
 
@@ -56,6 +56,18 @@ def host_memory(device: torch.device | None = None) -> tuple[int, int]:
     """Available and total bytes of host RAM."""
     info = psutil.virtual_memory()
     return int(info.available), int(info.total)
+
+
+def check_probes(owner: Any, api: str) -> None:
+    """``device_probe``, ``host_probe`` and ``clock`` must be callables."""
+    for name, call in (
+        ("device_probe", "device_probe(device) -> (free_bytes, total_bytes)"),
+        ("host_probe", "host_probe(device) -> (available_bytes, total_bytes)"),
+        ("clock", "clock() -> seconds"),
+    ):
+        value = getattr(owner, name)
+        if not callable(value):
+            raise TypeError(f"{api}: {name} must be callable as {call}; got {value!r}")
 
 
 Rule = Callable[[Tensor, Memory], Any]
@@ -93,6 +105,15 @@ class Select:
             raise TypeError(
                 f"tensorstash.Select: rule must be callable as rule(tensor, memory) -> policy; "
                 f"got {self.rule!r}"
+            )
+        check_probes(self, "tensorstash.Select")
+        refresh = self.refresh_s
+        if isinstance(refresh, bool) or not isinstance(refresh, (int, float)):
+            raise TypeError(f"tensorstash.Select: refresh_s must be seconds; got {refresh!r}")
+        if not refresh >= 0:
+            raise ValueError(
+                f"tensorstash.Select: refresh_s must be >= 0 seconds (0 reads the probes for "
+                f"every tensor); got {refresh}"
             )
 
     def memory(self, tensor: Tensor, ctx: Context) -> Memory:
@@ -176,7 +197,8 @@ class Auto:
        sites whose reload stalled backward, then the sites saved last, while
        they fit in the budget; offload those saved earliest.
     1. While the tensors this session keeps on their device stay within
-       three quarters of ``device_budget``: keep it ("under device budget").
+       three quarters of ``device_budget``: keep it ("under device budget"),
+       unless rule 2 holds for a CPU tensor, whose device is that host RAM.
     2. Host RAM available, less this tensor, would fall under ``host_reserve``:
        compress and spill it to disk ("host memory low").
     3. Otherwise: move it to host RAM ("device budget reached"), as it is: the
@@ -216,6 +238,8 @@ class Auto:
         if self.device_budget is not None:
             parse_bytes(self.device_budget, "tensorstash.Auto", "device_budget")
         parse_bytes(self.host_reserve, "tensorstash.Auto", "host_reserve")
+        check_directory(self.directory, "tensorstash.Auto")
+        check_probes(self, "tensorstash.Auto")
 
     def state(self, ctx: Context) -> _AutoState:
         """This session's state: its probes, its budget (fixed when first needed), its plan."""
@@ -290,6 +314,9 @@ class _AutoState:
                 policy, why = outwards
                 return policy, f"{planned}; {why}" if why == "host memory low" else planned
         window = budget // RECENT_SHARE
+        host_low = outwards[1] == "host memory low"
+        if host_low and tensor.device.type == "cpu":
+            return outwards  # rule 2 first: a CPU tensor's device is the host RAM that is low
         if held <= budget - window:
             return self.keep, "under device budget"
         policy, why = outwards

@@ -58,6 +58,7 @@ from tensorstash.policy import (
     finalize,
     from_host,
     to_host,
+    without_frames,
 )
 from tensorstash.stats import Tier
 
@@ -94,6 +95,28 @@ def check_parent(parent: Path, api: str) -> None:
             f"{api}: directory '{parent}' is writable by every user and has no sticky bit, so "
             f"another user could replace the spill directory; {fix} (or `chmod +t` it)"
         )
+
+
+def check_directory(directory: object, api: str) -> None:
+    """A ``directory=`` argument: None, or a path to a usable parent (see :func:`check_parent`).
+
+    Raises:
+        TypeError: not a path.
+        ValueError: an empty path, or one :func:`check_parent` refuses.
+    """
+    if directory is None:
+        return
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(
+            f"{api}: directory must be a path (str or os.PathLike) or None; "
+            f"got {type(directory).__name__} {directory!r}"
+        )
+    if os.fspath(directory) == "":
+        raise ValueError(
+            f"{api}: directory is an empty path; pass a writable directory you own, "
+            "or directory=None for the system temporary one"
+        )
+    check_parent(Path(directory), api)
 
 
 def _stale(entry: os.DirEntry[str], uid: int) -> bool:
@@ -159,6 +182,15 @@ class SpillDirectory:
                 return  # closed: the directory and its files are already gone
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=self.fd)
+
+    def __del__(self) -> None:
+        # A directory replaced after it was deleted from outside (spill_directory)
+        # is freed with the last spilled value that used it: close its descriptor.
+        fd = getattr(self, "fd", -1)
+        if fd >= 0:
+            self.fd = -1
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def close(self) -> None:
         """Remove the directory and everything in it (in the process that made it)."""
@@ -330,17 +362,15 @@ class DiskSpill:
     stage_rank: ClassVar[int] = 2
 
     def __post_init__(self) -> None:
-        if self.directory is not None:
-            if not isinstance(self.directory, (str, os.PathLike)):
-                raise TypeError(
-                    "tensorstash.DiskSpill: directory must be a path (str or os.PathLike) or "
-                    f"None; got {type(self.directory).__name__} {self.directory!r}"
-                )
-            check_parent(Path(self.directory), "tensorstash.DiskSpill")
+        check_directory(self.directory, "tensorstash.DiskSpill")
         value = self.max_pending_bytes
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(
                 f"tensorstash.DiskSpill: max_pending_bytes must be an int >= 0; got {value!r}"
+            )
+        if value < 0:
+            raise ValueError(
+                f"tensorstash.DiskSpill: max_pending_bytes must be an int >= 0; got {value}"
             )
 
     def _parent(self) -> Path:
@@ -394,13 +424,25 @@ class DiskSpill:
                 written = written_future.result()
                 return packed.source if written is None else _read(packed, written)
 
-            packed.prefetched = ctx.pool().submit(read)
+            packed.prefetched = ctx.pool().submit(without_frames, read)
 
 
 def _write(
     ref: weakref.ref[Spilled], ctx: Context, directory: SpillDirectory, name: str, source: Any
 ) -> tuple[int, int] | None:
-    """The writer's job (rule 3): write and checksum, or keep the bytes on a full disk."""
+    """The writer's job (rule 3), whose error keeps no frame that holds the tensor.
+
+    The future keeps the error until unpack re-raises it, and the session's
+    context keeps the future: an error whose traceback reached the packed value
+    or its bytes would keep them, and the graph, alive as long as the session.
+    """
+    return without_frames(_write_now, ref, ctx, directory, name, source)
+
+
+def _write_now(
+    ref: weakref.ref[Spilled], ctx: Context, directory: SpillDirectory, name: str, source: Any
+) -> tuple[int, int] | None:
+    """Write and checksum, or keep the bytes on a full disk."""
     packed = ref()
     if packed is None:
         return None  # freed before it was written: nothing to keep
@@ -427,7 +469,9 @@ def _write(
         ctx.warn(
             f"tensorstash.DiskSpill: the disk holding '{directory.path}' is full "
             f"({error.strerror}); keeping the tensor in memory instead. Free space or pass "
-            "DiskSpill(directory=...) on a larger disk."
+            "DiskSpill(directory=...) on a larger disk. (Shown once per session; "
+            "stats.fallbacks['disk full'] counts every tensor.)",
+            once="disk full",
         )
         if inner is not None:
             packed.source = encoded

@@ -26,16 +26,18 @@ import threading
 import time
 import warnings
 import weakref
-from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from tensorstash._layout import Layout, describe, rebuild
 from tensorstash.stats import StashStats, Tier
+
+T = TypeVar("T")
 
 
 def bug(message: str) -> AssertionError:
@@ -171,6 +173,7 @@ class Context:
         self._live = 0
         self._open = 0
         self._warnings: list[str] = []
+        self._warned: set[str] = set()
         self.resources: dict[Any, Any] = {}
         # The profile of the session, and the call site being packed now (set
         # by the session around each pack; see NOTE [ Profile ] in profile.py).
@@ -291,9 +294,17 @@ class Context:
 
     # Warnings from background threads ---------------------------------------------
 
-    def warn(self, message: str) -> None:
-        """Queue a warning raised on a background thread, shown on the caller's thread."""
+    def warn(self, message: str, *, once: str | None = None) -> None:
+        """Queue a warning raised on a background thread, shown on the caller's thread.
+
+        With ``once``, only the first warning of that kind in this session is shown
+        (a full disk warns once, not once per tensor; the stats count every one).
+        """
         with self._lock:
+            if once is not None:
+                if once in self._warned:
+                    return
+                self._warned.add(once)
             self._warnings.append(message)
 
     def flush_warnings(self) -> None:
@@ -303,34 +314,64 @@ class Context:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+def without_frames(job: Callable[..., T], *args: Any) -> T:
+    """``job(*args)`` for a worker thread; an error it raises keeps no frame of the job.
+
+    A worker's error waits in its future until unpack re-raises it, and the
+    session's context keeps the futures: frames in its traceback would keep the
+    job's arguments (packed values, their bytes, and so the graph) alive as
+    long as the session.
+    """
+    try:
+        return job(*args)
+    except BaseException as error:
+        del job, args
+        chain: list[BaseException | None] = [error]
+        while chain:
+            found = chain.pop()
+            if found is not None:
+                found.__traceback__ = None
+                chain += [found.__cause__, found.__context__]
+        raise
+
+
 class Pending:
     """Background work in flight (compressions, disk writes), for back-pressure.
 
     A stage adds each job with the bytes it holds; ``wait_under`` blocks pack
-    until the jobs still running hold at most ``limit`` bytes.
+    until the jobs still running hold at most ``limit`` bytes. A job leaves as
+    soon as it is done, so the session keeps no finished future (nor the error
+    one may hold) beyond the packed value that owns it.
     """
 
     def __init__(self) -> None:
-        self.queue: deque[tuple[Future[Any], int]] = deque()
+        self.running: dict[int, tuple[Future[Any], int]] = {}
         self.bytes = 0
         self.lock = threading.Lock()
 
     def add(self, future: Future[Any], nbytes: int) -> None:
         with self.lock:
-            self.queue.append((future, nbytes))
+            self.running[id(future)] = (future, nbytes)
             self.bytes += nbytes
+        future.add_done_callback(self._done)
+
+    def _done(self, future: Future[Any]) -> None:
+        with self.lock:
+            found = self.running.pop(id(future), None)
+            if found is not None:
+                self.bytes -= found[1]
 
     def wait_under(self, limit: int, ctx: Context) -> None:
         while True:
             with self.lock:
-                while self.queue and self.queue[0][0].done():
-                    self.bytes -= self.queue.popleft()[1]
-                if self.bytes <= limit or not self.queue:
+                if self.bytes <= limit or not self.running:
                     return
-                oldest = self.queue[0][0]
+                oldest = next(iter(self.running.values()))[0]
             start = time.perf_counter()
-            oldest.exception()  # waits; errors surface at unpack
+            exception = oldest.exception()  # waits; errors surface at unpack
+            del exception
             ctx.stats.timed("wait", time.perf_counter() - start)
+            self._done(oldest)  # the callback may not have run yet
 
 
 # -- the protocol and the simplest policies --------------------------------------

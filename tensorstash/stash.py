@@ -106,6 +106,11 @@ def resolve(policy: Policy | str) -> Policy:
                 "tensorstash.Chain(tensorstash.Lz4(), tensorstash.DiskSpill())"
             )
         return factory()  # type: ignore[no-any-return,unused-ignore]
+    if isinstance(policy, type):
+        raise TypeError(
+            f"tensorstash.stash: policy is the class {policy.__name__}, not a policy; "
+            f"pass an instance: {policy.__name__}()"
+        )
     if not (callable(getattr(policy, "pack", None)) and callable(getattr(policy, "unpack", None))):
         raise TypeError(
             f"tensorstash.stash: policy must be a policy object (with pack and unpack) or a "
@@ -421,7 +426,11 @@ class Session(contextlib.ContextDecorator):
         try:
             tensor = saved.policy.unpack(saved.packed, self._ctx)
         except SpillError as error:
-            raise SpillError(f"{error} It was saved by {saved.where()}.") from error.__cause__
+            # The error also waits in its policy's future: without its traceback,
+            # which now holds this frame (and so the packed value).
+            message, cause = str(error), error.__cause__
+            error.__traceback__ = None
+            raise SpillError(f"{message} It was saved by {saved.where()}.") from cause
         if record is not None and profile is not None:
             record.unpack_s += profile.clock() - began
         if isinstance(tensor, Held):
