@@ -11,7 +11,7 @@ things:
    saves its running statistics for backward and then updates them in place
    within the same operation, without bumping their version.
 3. Stay out of ``torch.compile``: while dynamo traces a module the hooks do
-   nothing (dynamo cannot trace weak sets, and would bake them into the graph
+   nothing (dynamo cannot trace weak references, and would bake them into the graph
    if it could). A compiled region then counts as its outermost module, and its
    parameters are recognised as leaves that require grad.
 
@@ -41,8 +41,29 @@ _names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _users = 0
 _handles: list[RemovableHandle] = []
-_parameters: weakref.WeakSet[Any] = weakref.WeakSet()  # storages of parameters
-_buffers: weakref.WeakSet[Any] = weakref.WeakSet()  # storages of buffers
+# Storages of parameters and buffers, by address of the storage object: a weak
+# reference to it, dropped with it. A dict lookup by integer is what keeps the
+# pack hook cheap (a WeakSet makes a weak reference for every lookup).
+_parameters: dict[int, weakref.ref[Any]] = {}
+_buffers: dict[int, weakref.ref[Any]] = {}
+
+
+def _add(table: dict[int, weakref.ref[Any]], storage: Any) -> None:
+    key = id(storage)
+    found = table.get(key)
+    if found is not None and found() is storage:
+        return
+
+    def gone(dead: weakref.ref[Any]) -> None:
+        if table.get(key) is dead:
+            del table[key]
+
+    table[key] = weakref.ref(storage, gone)
+
+
+def _holds(table: dict[int, weakref.ref[Any]], storage: Any) -> bool:
+    found = table.get(id(storage))
+    return found is not None and found() is storage
 
 
 def _stack() -> list[nn.Module]:
@@ -55,10 +76,10 @@ def _stack() -> list[nn.Module]:
 def _remember(module: nn.Module) -> None:
     for parameter in module._parameters.values():
         if parameter is not None:
-            _parameters.add(parameter.untyped_storage())
+            _add(_parameters, parameter.untyped_storage())
     for buffer in module._buffers.values():
         if buffer is not None:
-            _buffers.add(buffer.untyped_storage())
+            _add(_buffers, buffer.untyped_storage())
 
 
 def _enter(module: nn.Module, args: Any) -> None:
@@ -124,9 +145,9 @@ def state_kind(storage: Any) -> str | None:
 
 
 def _kind(storage: Any) -> str | None:
-    if storage in _parameters:
+    if _holds(_parameters, storage):
         return "parameter"
-    return "buffer" if storage in _buffers else None
+    return "buffer" if _holds(_buffers, storage) else None
 
 
 def current() -> str:

@@ -308,6 +308,8 @@ class Context:
             self._warnings.append(message)
 
     def flush_warnings(self) -> None:
+        if not self._warnings:  # the hot path: read without the lock, appended under it
+            return
         with self._lock:
             pending, self._warnings = self._warnings, []
         for message in pending:
