@@ -55,16 +55,19 @@ def _wrap(mode: str, model: nn.Module) -> nn.Module:
         ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         return ddp
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     precision = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if mode == "fsdp-bf16" else None,
         reduce_dtype=torch.float32 if mode == "fsdp-bf16" else None,
     )
+    # On the CPU (gloo) also where a GPU is present: fully_shard would pick CUDA.
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     # fc1 is a unit of its own: its unsharded parameters are swapped in by the
     # pre-forward hook of the very module that saves them.
-    fully_shard(model.fc1, mp_policy=precision)  # type: ignore[arg-type]
-    fully_shard(model, mp_policy=precision)
+    fully_shard(model.fc1, mesh=mesh, mp_policy=precision)  # type: ignore[arg-type]
+    fully_shard(model, mesh=mesh, mp_policy=precision)
     return model
 
 
