@@ -19,7 +19,8 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
 install: $(VENV)/.installed
 
 bench: install
-	$(BIN)/tensorstash bench $(BENCH_ARGS)
+	mkdir -p bench-out
+	$(BIN)/tensorstash bench --json bench-out/bench.json --plot bench-out/bench.png $(BENCH_ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q
