@@ -30,6 +30,8 @@ from tensorstash.disk import DiskSpill, check_directory
 from tensorstash.policy import Chain, Context, Defer, Keep, Policy
 from tensorstash.stats import Tier
 
+_HOST = torch.device("cpu")
+
 Probe = Callable[[torch.device], tuple[int, int]]
 """``probe(device) -> (free_bytes, total_bytes)``."""
 
@@ -119,7 +121,7 @@ class Select:
     def memory(self, tensor: Tensor, ctx: Context) -> Memory:
         """The snapshot a rule sees for ``tensor`` (probes cached, rule 3)."""
         free, total = self._read("device", tensor.device, self.device_probe)
-        available, _ = self._read("host", torch.device("cpu"), self.host_probe)
+        available, _ = self._read("host", _HOST, self.host_probe)
         held = {name: tier.live_bytes for name, tier in ctx.stats.tiers.items()}
         return Memory(free, total, available, held)
 

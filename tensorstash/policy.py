@@ -208,6 +208,9 @@ class Context:
         session is closed and its last packed value freed; then ``close()`` is
         called on each.
         """
+        found = self.resources.get(key)  # the hot path: a dict read needs no lock
+        if found is not None:
+            return found
         with self._lock:
             found = self.resources.get(key)
             if found is None:
