@@ -16,11 +16,14 @@ Example:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from tensorstash._layout import memory
 from tensorstash.stash import Session
 from tensorstash.stats import TIERS, StashStats, human_bytes
 
@@ -67,8 +70,8 @@ def gather_stats(
     """Gather every rank's stash statistics on rank ``dst``.
 
     A collective: every rank of ``group`` must call it, with the same ``dst``.
-    Uses ``torch.distributed.gather_object`` (pickled dictionaries; with NCCL,
-    call ``torch.cuda.set_device`` first, as ``gather_object`` requires).
+    The statistics travel as JSON in uint8 tensors (with NCCL, on the current
+    CUDA device: call ``torch.cuda.set_device`` first).
 
     Args:
         stats: this rank's :class:`StashStats`, or its :class:`Session`.
@@ -101,14 +104,36 @@ def gather_stats(
             "torch.distributed.init_process_group(...) first, or print session.stats.table() "
             "in a single process"
         )
-    mine = stats.to_dict()
-    receiving = dist.get_rank() == dst
-    size = dist.get_world_size(group)
-    gathered: list[Any] | None = [None] * size if receiving else None
-    dist.gather_object(mine, gathered, dst=dst, group=group)
+    gathered = _gather_json(stats.to_dict(), group, dst)
     if gathered is None:
         return None
-    ranks: list[dict[str, Any]] = list(gathered)
     return GatheredStats(
-        ranks=ranks, total=StashStats.combined(ranks, concurrent=True, decisions=False)
+        ranks=gathered, total=StashStats.combined(gathered, concurrent=True, decisions=False)
     )
+
+
+def _gather_json(value: dict[str, Any], group: Any, dst: int) -> list[dict[str, Any]] | None:
+    """Every rank's ``value`` on ``dst``, as JSON bytes in uint8 tensors.
+
+    Not ``gather_object``: it pickles through NumPy, which tensorstash does not
+    require, and unpickles what other processes send.
+    """
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+    count = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    counts = [torch.zeros_like(count) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(counts, count, group=group)
+    sizes = [int(c.item()) for c in counts]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data.to(device)
+    receiving = dist.get_rank() == dst
+    parts = [torch.empty_like(padded) for _ in sizes] if receiving else None
+    dist.gather(padded, parts, dst=dst, group=group)
+    if parts is None:
+        return None
+    return [
+        json.loads(bytes(memory(part.cpu().contiguous())[:size]))
+        for part, size in zip(parts, sizes, strict=True)
+    ]
