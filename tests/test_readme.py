@@ -1,0 +1,86 @@
+"""The README's Python snippets run as shown, and print what it says they print."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+README = Path(__file__).parent.parent / "README.md"
+_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
+
+
+def _snippets() -> list[str]:
+    return _BLOCK.findall(README.read_text())
+
+
+def _snippet(starting: str) -> str:
+    found = [code for code in _snippets() if code.startswith(starting)]
+    assert len(found) == 1, f"the README has {len(found)} Python snippets starting {starting!r}"
+    return found[0]
+
+
+class _Loss(torch.nn.Module):
+    """A small model whose forward returns a scalar loss, as the snippets' ``model`` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)
+        )
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.net(batch).square().mean()
+
+
+def _namespace() -> dict[str, Any]:
+    """What the snippets take from the reader's program: a model, a batch, a loader."""
+    torch.manual_seed(0)
+    batch = torch.randn(512, 64)
+    return {"model": _Loss(), "batch": batch, "loader": [batch, batch.flip(0)]}
+
+
+def test_readme_snippets_are_found() -> None:
+    """The snippets below are looked up by their first line: a renamed one fails here."""
+    assert len(_snippets()) >= 3
+
+
+def test_opening_snippet(private_tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    namespace = _namespace()
+    reference = namespace["model"]
+    expected = torch.autograd.grad(reference(namespace["batch"]), list(reference.parameters()))
+    exec(_snippet("import tensorstash as ts\n\nwith ts.stash("), namespace)
+    assert "disk" in capsys.readouterr().out  # the stats table
+    grads = [p.grad for p in reference.parameters()]
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+    assert [path for path in private_tmp.rglob("*") if path.is_file()] == []  # spill files gone
+
+
+def test_profile_snippet(private_tmp: Path) -> None:
+    namespace = _namespace()
+    exec("import tensorstash as ts\n" + _snippet("profile = ts.Profile()"), namespace)
+    assert namespace["profile"].steps == 1  # the second step planned from the first
+    assert all(p.grad is not None for p in namespace["model"].parameters())
+
+
+def test_decision_log_snippet(private_tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The row the README shows is the row the code gives."""
+    code = _snippet("from tensorstash.bench import")
+    lines = code.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("next("))
+    comment = []
+    for line in lines[at + 1 :]:
+        if not line.startswith("#"):
+            break
+        comment.append(line.removeprefix("#").strip())
+    shown = ast.literal_eval(" ".join(comment))
+    namespace: dict[str, Any] = {}
+    exec("import tensorstash as ts\n" + "\n".join(lines[:at]), namespace)
+    assert eval(lines[at], namespace) == shown
+    exec("\n".join(lines[at + 1 :]), namespace)
+    table = capsys.readouterr().out
+    assert "blocks.0.attn.proj" in table and "disk" in table
