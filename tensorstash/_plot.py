@@ -7,6 +7,7 @@ until a figure is drawn, so the rest of the package works without it.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -146,7 +147,8 @@ def _tradeoff_panel(axes: Any, rows: Sequence[Row], *, cuda: bool) -> None:
     axes.scatter([], [], color="#c44e52", s=36, label=peak_label)
     axes.scatter([], [], marker="x", color="#8c8c8c", s=28, label="resident memory growth (RSS)")
     if any(_learns(row) for row in rows):
-        axes.scatter([], [], facecolors="none", edgecolors="#c44e52", s=36, label="Auto, step 1")
+        label = "Auto without a plan"
+        axes.scatter([], [], facecolors="none", edgecolors="#c44e52", s=36, label=label)
     axes.set_xlabel("median step time, forward + backward (s)", fontsize=9)
     axes.set_ylabel("peak memory (MiB)", fontsize=9)
     axes.set_title("memory against time per policy (lower left is better)", fontsize=9, loc="left")
@@ -158,21 +160,30 @@ def _tradeoff_panel(axes: Any, rows: Sequence[Row], *, cuda: bool) -> None:
 
 
 def _learns(row: Row) -> bool:
-    """An ``auto:<budget>`` row with a first and a last timed step to compare."""
+    """An ``auto:<budget>`` row with steps that follow a plan and a twin without one."""
+    count = len(row.step_times)
     return (
-        row.policy.startswith("auto:") and len(row.step_times) >= 2 and row.peak_bytes is not None
+        row.policy.startswith("auto:")
+        and count >= 2
+        and len(row.no_plan_step_times) == count
+        and len(row.step_peak_bytes) == len(row.no_plan_peak_bytes) == count
+        and None not in row.step_peak_bytes[1:]
+        and None not in row.no_plan_peak_bytes[1:]
     )
 
 
 def _learning_arrow(axes: Any, row: Row) -> None:
-    """Auto's first timed step (no profile yet), with an arrow to its last."""
+    """Auto without a plan (its twin), with an arrow to Auto following its plan (steps 2 on)."""
     if not _learns(row):
         return
-    peaks = row.step_peak_bytes
-    if len(peaks) != len(row.step_times) or peaks[0] is None or peaks[-1] is None:
-        return
-    start = (row.step_times[0], peaks[0] / MIB)
-    end = (row.step_times[-1], peaks[-1] / MIB)
+    start = (
+        statistics.median(row.no_plan_step_times[1:]),
+        max(p for p in row.no_plan_peak_bytes[1:] if p is not None) / MIB,
+    )
+    end = (
+        statistics.median(row.step_times[1:]),
+        max(p for p in row.step_peak_bytes[1:] if p is not None) / MIB,
+    )
     axes.scatter(*start, facecolors="none", edgecolors="#c44e52", s=36, zorder=3)
     axes.annotate(
         "", end, xytext=start, arrowprops={"arrowstyle": "->", "color": "#c44e52", "lw": 0.8}

@@ -30,7 +30,12 @@ model, and the numbers are only comparable if nothing but the variant differs:
 6. Variants that run ``Auto`` learn a :class:`~tensorstash.Profile` across
    their steps. Its profile starts afresh at the first timed round, so the
    first timed step shows Auto without a plan and the later ones Auto
-   following the plan learned from the step before (``step_times``).
+   following the plan learned from the step before (``step_times``). One
+   step against another is noise on a busy machine, so each ``auto:<budget>``
+   variant also has a twin run in the same rounds that never plans (a fresh
+   Profile every step): the plan's effect is the median, over the steps that
+   follow a plan, of the variant's step over its twin's in the same round
+   (``no_plan_step_times``).
 7. Timelines (``--plot``) and allocator snapshots (``--memory-snapshot``)
    come from extra untimed rounds after the timed ones: their hooks cost time,
    so no timed step carries them.
@@ -55,7 +60,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -411,6 +416,8 @@ PEERS = ("save_on_cpu", "checkpoint")
 ALL_POLICIES: tuple[str, ...] = (BASELINE, *STASH_POLICIES, *PEERS)
 AUTO_PREFIX = "auto:"
 """``auto:<budget>`` (e.g. ``auto:8MiB``) runs ``Auto(device_budget=<budget>)``."""
+NO_PLAN = " without a plan"
+"""The suffix of an ``auto:<budget>`` variant's twin that never plans (rule 6 of the NOTE)."""
 DEFAULT_POLICIES: tuple[str, ...] = (*ALL_POLICIES[:7], "auto:8MiB", *ALL_POLICIES[7:])
 """Every policy, and Auto under an 8 MiB budget: it offloads on the CPU, where the
 default budget (half of free RAM) keeps everything."""
@@ -486,15 +493,21 @@ def variant_context(
         workload: the model ("checkpoint" and "recompute" wrap its blocks).
         device: where the model runs (``save_on_cpu`` pins memory on CUDA).
         profiles: the Profile of each Auto variant, kept across its steps
-            (one is added on first use); None: a fresh Profile each time.
+            (one is added on first use); None: a fresh Profile each time, as
+            for a twin that never plans (``NO_PLAN``, rule 6 of the NOTE).
 
     Returns:
         A context manager whose value is the stash session, or None for
         variants that are not a stash.
     """
+    planless = name.endswith(NO_PLAN)
+    name = name.removesuffix(NO_PLAN)
     profile = None
     if _learns(name):
-        profile = ts.Profile() if profiles is None else profiles.setdefault(name, ts.Profile())
+        if profiles is None or planless:
+            profile = ts.Profile()
+        else:
+            profile = profiles.setdefault(name, ts.Profile())
     model = workload.model
     if name == BASELINE:
         yield None
@@ -708,6 +721,10 @@ class Row:
             (None without a session).
         step_overheads: each timed step over the step of "none" in the same round.
         step_peak_bytes: each timed step's peak, as ``peak_bytes`` measures it.
+        no_plan_step_times: ``auto:<budget>`` rows, with two timed steps or
+            more: each timed step of the same Auto without a plan (a fresh
+            Profile every step), run in the same rounds (rule 6 of the NOTE).
+        no_plan_peak_bytes: the peak of each of those steps.
         timeline: live bytes per tier over one untimed step (see :class:`Timeline`),
             when the bench was asked for timelines; else None.
     """
@@ -723,12 +740,14 @@ class Row:
     compression_ratio: float | None
     step_overheads: tuple[float, ...] = ()
     step_peak_bytes: tuple[int | None, ...] = ()
+    no_plan_step_times: tuple[float, ...] = ()
+    no_plan_peak_bytes: tuple[int | None, ...] = ()
     timeline: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field."""
         data = asdict(self)
-        for name in ("step_times", "step_overheads", "step_peak_bytes"):
+        for name in _SEQUENCES:
             data[name] = list(data[name])
         return data
 
@@ -736,9 +755,18 @@ class Row:
     def from_dict(cls, data: dict[str, Any]) -> Row:
         """The row :meth:`to_dict` wrote (e.g. read back from ``--json``)."""
         fields = dict(data)
-        for name in ("step_times", "step_overheads", "step_peak_bytes"):
+        for name in _SEQUENCES:
             fields[name] = tuple(fields.get(name, ()))
         return cls(**fields)
+
+
+_SEQUENCES = (
+    "step_times",
+    "step_overheads",
+    "step_peak_bytes",
+    "no_plan_step_times",
+    "no_plan_peak_bytes",
+)
 
 
 class _Bench:
@@ -924,8 +952,16 @@ def planned_steps(
     memory_snapshot: bool = False,
 ) -> int:
     """How many steps :func:`run_bench` runs: the reference, untimed, timed and extra rounds."""
+    names = resolve_policies(policies)
     rounds = warmup + 1 + steps + int(timeline) + int(memory_snapshot)
-    return 1 + len(resolve_policies(policies)) * rounds
+    return 1 + len(names) * rounds + len(_twins(names, steps)) * (warmup + 1 + steps)
+
+
+def _twins(names: Sequence[str], steps: int) -> list[str]:
+    """The twins that never plan, of the ``auto:<budget>`` variants (rule 6 of the NOTE)."""
+    if steps < 2:  # no step follows a plan
+        return []
+    return [name + NO_PLAN for name in names if name.startswith(AUTO_PREFIX)]
 
 
 def run_bench(
@@ -1024,11 +1060,12 @@ def _rounds(
     tick = progress or (lambda name: None)
     bench.take_reference()
     tick(BASELINE)
-    untimed, rss = _untimed_rounds(bench, names, warmup, tick)
+    every = names + _twins(names, steps)
+    untimed, rss = _untimed_rounds(bench, every, warmup, tick)
     bench.profiles.clear()  # rule 6: Auto starts learning at the first timed step
-    timed: dict[str, list[StepResult]] = {name: [] for name in names}
+    timed: dict[str, list[StepResult]] = {name: [] for name in every}
     for _ in range(steps):  # rule 1: interleaved
-        for name in names:
+        for name in every:
             timed[name].append(bench.step(name))
             tick(name)
     traces: dict[str, dict[str, Any] | None] = dict.fromkeys(names)
@@ -1039,9 +1076,20 @@ def _rounds(
     if memory_snapshot is not None:
         _snapshot_round(bench, names, Path(memory_snapshot), tick)
     baseline = [r.seconds for r in timed[BASELINE]]
-    return [
-        _row(name, untimed[name], timed[name], rss[name], baseline, traces[name]) for name in names
-    ]
+    rows = []
+    for name in names:
+        row = _row(name, untimed[name], timed[name], rss[name], baseline, traces[name])
+        twin = timed.get(name + NO_PLAN)
+        if twin is not None:
+            checked = untimed[name + NO_PLAN] + twin
+            row = replace(
+                row,
+                grads_equal=row.grads_equal and all(r.grads_equal for r in checked),
+                no_plan_step_times=tuple(r.seconds for r in twin),
+                no_plan_peak_bytes=tuple(_peak_bytes([r]) for r in twin),
+            )
+        rows.append(row)
+    return rows
 
 
 def _untimed_rounds(
@@ -1206,27 +1254,35 @@ def _legend(device: torch.device) -> list[str]:
 
 
 def _learning(rows: Sequence[Row]) -> list[str]:
-    """Lines on ``auto:<budget>`` rows learning their Profile: first timed step against the last.
+    """Lines on ``auto:<budget>`` rows: their plan against their twin without one (rule 6).
 
     Plain "auto" is left out: on the CPU its default budget keeps everything,
-    so its plan changes nothing (rule 6 of the NOTE).
+    so its plan changes nothing.
     """
     lines: list[str] = []
     for row in rows:
         count = len(row.step_times)
-        if not row.policy.startswith(AUTO_PREFIX) or count < 2 or len(row.step_overheads) != count:
+        twin = row.no_plan_step_times
+        if not row.policy.startswith(AUTO_PREFIX) or count < 2 or len(twin) != count:
             continue
-        first, last = _step_summary(row, 0), _step_summary(row, count - 1)
-        lines.append(f"{row.policy}: step 1 (no profile yet) {first}; step {count} (plan) {last}")
+        ratio = statistics.median(
+            mine / fresh for mine, fresh in zip(row.step_times[1:], twin[1:], strict=True)
+        )
+        span = "step 2" if count == 2 else f"steps 2-{count}"
+        lines.append(
+            f"{row.policy}: {span}, step time {ratio:.2f}x that without a plan "
+            f"(median of same-round ratios); peak {_largest(row.step_peak_bytes[1:])} "
+            f"against {_largest(row.no_plan_peak_bytes[1:])} without"
+        )
     if lines:
-        lines[:0] = ["", "Auto learns a Profile step by step (overhead: against none, same round):"]
+        lines[:0] = [
+            "",
+            "Auto planning from its Profile (step 1 has no plan yet), against the same Auto",
+            "without a plan (a fresh Profile every step), run in the same rounds:",
+        ]
     return lines
 
 
-def _step_summary(row: Row, index: int) -> str:
-    peaks = row.step_peak_bytes
-    peak = peaks[index] if index < len(peaks) else None
-    return (
-        f"{row.step_times[index]:.3f} s = {row.step_overheads[index]:.2f}x, "
-        f"peak {'-' if peak is None else human_bytes(peak)}"
-    )
+def _largest(peaks: Sequence[int | None]) -> str:
+    known = [peak for peak in peaks if peak is not None]
+    return human_bytes(max(known)) if known else "-"

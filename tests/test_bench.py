@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -192,25 +193,55 @@ def test_bench_auto_budget_row_learns_across_timed_steps(
     assert row["tiers"]["disk"]["bytes"] > 0
 
 
-def test_format_table_reports_auto_first_and_last_step() -> None:
-    auto = bench.Row(
+def test_bench_auto_budget_row_has_a_twin_without_a_plan(
+    rows: dict[str, dict[str, Any]],
+) -> None:
+    """Rule 6 of NOTE [ Fair comparison ]: the twin ran in the same rounds, and is no row."""
+    row = rows["auto:1MiB"]
+    assert len(row["no_plan_step_times"]) == len(row["no_plan_peak_bytes"]) == 2
+    assert all(seconds > 0 for seconds in row["no_plan_step_times"])
+    assert all(peak > 0 for peak in row["no_plan_peak_bytes"])
+    assert not any(bench.NO_PLAN in policy for policy in rows)
+    assert rows["keep"]["no_plan_step_times"] == []
+
+
+def test_planned_steps_counts_the_twins() -> None:
+    assert bench.planned_steps(["none", "auto:8MiB"], steps=3, warmup=1) == 1 + 2 * 5 + 5
+    assert bench.planned_steps(["none", "auto:8MiB"], steps=1, warmup=1) == 1 + 2 * 3
+
+
+def _auto_row(step_times: tuple[float, ...], no_plan: tuple[float, ...]) -> bench.Row:
+    count = len(step_times)
+    return bench.Row(
         policy="auto:8MiB",
-        peak_bytes=8 * 2**20,
+        peak_bytes=10 * 2**20,
         peak_rss_bytes=0,
-        step_s=0.25,
-        step_times=(0.4, 0.25, 0.2),
+        step_s=statistics.median(step_times),
+        step_times=step_times,
         overhead=1.25,
         grads_equal=True,
         tiers=None,
         compression_ratio=None,
-        step_overheads=(2.0, 1.25, 1.1),
-        step_peak_bytes=(8 * 2**20, 8 * 2**20, 8 * 2**20),
+        step_overheads=(2.0,) * count,
+        step_peak_bytes=(10 * 2**20,) + (8 * 2**20,) * (count - 1),
+        no_plan_step_times=no_plan,
+        no_plan_peak_bytes=(10 * 2**20,) * len(no_plan),
     )
-    table = bench.format_table([auto])
+
+
+def test_format_table_reports_the_plan_against_the_twin() -> None:
+    # Same-round ratios of steps 2-4: 0.9, 0.8, 1.0; step 1 (no plan in either) is left out.
+    table = bench.format_table([_auto_row((0.5, 0.27, 0.24, 0.3), (0.1, 0.3, 0.3, 0.3))])
     assert (
-        "auto:8MiB: step 1 (no profile yet) 0.400 s = 2.00x, peak 8.0 MiB; "
-        "step 3 (plan) 0.200 s = 1.10x, peak 8.0 MiB"
+        "auto:8MiB: steps 2-4, step time 0.90x that without a plan (median of same-round "
+        "ratios); peak 8.0 MiB against 10.0 MiB without"
     ) in table
+    assert "without a plan (a fresh Profile every step)" in table
+
+
+def test_format_table_says_nothing_of_a_plan_without_a_twin() -> None:
+    assert "without a plan" not in bench.format_table([_auto_row((0.5, 0.3), ())])
+    assert "without a plan" not in bench.format_table([_auto_row((0.5,), (0.4,))])
 
 
 # -- --plot ------------------------------------------------------------------------------
@@ -263,6 +294,15 @@ def test_plot_skips_panels_without_data(tmp_path: Path) -> None:
         timeline={"t_s": [0.0, 0.1], "kept": [0, 0], "host": [0, 0], "disk": [0, 0]},
     )
     path = _plot.plot([row], tmp_path / "one.png", title="one row")
+    assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_plot_draws_auto_without_a_plan(tmp_path: Path) -> None:
+    """The twin's point and the arrow to the plan (rule 6), and nothing for a row without one."""
+    pytest.importorskip("matplotlib")
+    planned = _auto_row((0.5, 0.27, 0.24, 0.3), (0.1, 0.3, 0.3, 0.3))
+    assert _plot._learns(planned) and not _plot._learns(_auto_row((0.5, 0.3), ()))
+    path = _plot.plot([planned], tmp_path / "auto.png", title="auto")
     assert path.read_bytes().startswith(b"\x89PNG")
 
 
