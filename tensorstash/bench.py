@@ -35,7 +35,7 @@ model, and the numbers are only comparable if nothing but the variant differs:
    variant also has a twin run in the same rounds that never plans (a fresh
    Profile every step): the plan's effect is the median, over the steps that
    follow a plan, of the variant's step over its twin's in the same round
-   (``no_plan_step_times``).
+   (``no_plan_step_times``). The two run side by side, in turn first.
 7. Timelines (``--plot``) and allocator snapshots (``--memory-snapshot``)
    come from extra untimed rounds after the timed ones: their hooks cost time,
    so no timed step carries them.
@@ -954,14 +954,38 @@ def planned_steps(
     """How many steps :func:`run_bench` runs: the reference, untimed, timed and extra rounds."""
     names = resolve_policies(policies)
     rounds = warmup + 1 + steps + int(timeline) + int(memory_snapshot)
-    return 1 + len(names) * rounds + len(_twins(names, steps)) * (warmup + 1 + steps)
+    twins = len(_with_twins(names, steps)) - len(names)
+    return 1 + len(names) * rounds + twins * (warmup + 1 + steps)
 
 
-def _twins(names: Sequence[str], steps: int) -> list[str]:
-    """The twins that never plan, of the ``auto:<budget>`` variants (rule 6 of the NOTE)."""
+def _with_twins(names: Sequence[str], steps: int) -> list[str]:
+    """``names``, each ``auto:<budget>`` followed by its twin that never plans (rule 6).
+
+    Side by side in every round, the two run in the same state of the heap
+    and the page cache, whatever the variants before them left.
+    """
     if steps < 2:  # no step follows a plan
-        return []
-    return [name + NO_PLAN for name in names if name.startswith(AUTO_PREFIX)]
+        return list(names)
+    every: list[str] = []
+    for name in names:
+        every.append(name)
+        if name.startswith(AUTO_PREFIX):
+            every.append(name + NO_PLAN)
+    return every
+
+
+def _round_order(every: list[str], index: int) -> list[str]:
+    """The variants of timed round ``index``: a twin goes first in every other round.
+
+    Whichever of two variants runs first pays for what the variant before
+    them left behind, so the pair alternates (rule 6 of the NOTE).
+    """
+    order = list(every)
+    if index % 2:
+        for position, name in enumerate(order):
+            if name.endswith(NO_PLAN):
+                order[position - 1], order[position] = name, order[position - 1]
+    return order
 
 
 def run_bench(
@@ -1060,12 +1084,12 @@ def _rounds(
     tick = progress or (lambda name: None)
     bench.take_reference()
     tick(BASELINE)
-    every = names + _twins(names, steps)
+    every = _with_twins(names, steps)
     untimed, rss = _untimed_rounds(bench, every, warmup, tick)
     bench.profiles.clear()  # rule 6: Auto starts learning at the first timed step
     timed: dict[str, list[StepResult]] = {name: [] for name in every}
-    for _ in range(steps):  # rule 1: interleaved
-        for name in every:
+    for index in range(steps):  # rule 1: interleaved
+        for name in _round_order(every, index):
             timed[name].append(bench.step(name))
             tick(name)
     traces: dict[str, dict[str, Any] | None] = dict.fromkeys(names)

@@ -205,6 +205,15 @@ def test_bench_auto_budget_row_has_a_twin_without_a_plan(
     assert rows["keep"]["no_plan_step_times"] == []
 
 
+def test_twins_run_beside_their_variant_in_turn_first() -> None:
+    every = bench._with_twins(["none", "auto:8MiB", "lz4"], steps=2)
+    twin = "auto:8MiB" + bench.NO_PLAN
+    assert every == ["none", "auto:8MiB", twin, "lz4"]
+    assert bench._round_order(every, 0) == every
+    assert bench._round_order(every, 1) == ["none", twin, "auto:8MiB", "lz4"]
+    assert bench._with_twins(["none", "auto:8MiB"], steps=1) == ["none", "auto:8MiB"]
+
+
 def test_planned_steps_counts_the_twins() -> None:
     assert bench.planned_steps(["none", "auto:8MiB"], steps=3, warmup=1) == 1 + 2 * 5 + 5
     assert bench.planned_steps(["none", "auto:8MiB"], steps=1, warmup=1) == 1 + 2 * 3
