@@ -7,7 +7,6 @@ until a figure is drawn, so the rest of the package works without it.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -160,30 +159,22 @@ def _tradeoff_panel(axes: Any, rows: Sequence[Row], *, cuda: bool) -> None:
 
 
 def _learns(row: Row) -> bool:
-    """An ``auto:<budget>`` row with steps that follow a plan and a twin without one."""
-    count = len(row.step_times)
+    """An ``auto:<budget>`` row whose plan has a twin without one to compare with, peaks known."""
+    effect = row.plan_effect()
     return (
-        row.policy.startswith("auto:")
-        and count >= 2
-        and len(row.no_plan_step_times) == count
-        and len(row.step_peak_bytes) == len(row.no_plan_peak_bytes) == count
-        and None not in row.step_peak_bytes[1:]
-        and None not in row.no_plan_peak_bytes[1:]
+        effect is not None
+        and effect.peak_bytes is not None
+        and effect.no_plan_peak_bytes is not None
     )
 
 
 def _learning_arrow(axes: Any, row: Row) -> None:
     """Auto without a plan (its twin), with an arrow to Auto following its plan (steps 2 on)."""
-    if not _learns(row):
+    effect = row.plan_effect()
+    if effect is None or effect.peak_bytes is None or effect.no_plan_peak_bytes is None:
         return
-    start = (
-        statistics.median(row.no_plan_step_times[1:]),
-        max(p for p in row.no_plan_peak_bytes[1:] if p is not None) / MIB,
-    )
-    end = (
-        statistics.median(row.step_times[1:]),
-        max(p for p in row.step_peak_bytes[1:] if p is not None) / MIB,
-    )
+    start = (effect.no_plan_step_s, effect.no_plan_peak_bytes / MIB)
+    end = (effect.step_s, effect.peak_bytes / MIB)
     axes.scatter(*start, facecolors="none", edgecolors="#c44e52", s=36, zorder=3)
     axes.annotate(
         "", end, xytext=start, arrowprops={"arrowstyle": "->", "color": "#c44e52", "lw": 0.8}

@@ -751,6 +751,26 @@ class Row:
             data[name] = list(data[name])
         return data
 
+    def plan_effect(self) -> PlanEffect | None:
+        """Rule 6 of the NOTE: this row's steps 2 on against its twin without a plan.
+
+        None unless an ``auto:<budget>`` row has two timed steps or more and
+        its twin's steps.
+        """
+        count = len(self.step_times)
+        twin = self.no_plan_step_times
+        if not self.policy.startswith(AUTO_PREFIX) or count < 2 or len(twin) != count:
+            return None
+        mine = self.step_times[1:]
+        return PlanEffect(
+            steps=count,
+            ratio=statistics.median(a / b for a, b in zip(mine, twin[1:], strict=True)),
+            step_s=statistics.median(mine),
+            no_plan_step_s=statistics.median(twin[1:]),
+            peak_bytes=_largest(self.step_peak_bytes[1:]),
+            no_plan_peak_bytes=_largest(self.no_plan_peak_bytes[1:]),
+        )
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Row:
         """The row :meth:`to_dict` wrote (e.g. read back from ``--json``)."""
@@ -758,6 +778,30 @@ class Row:
         for name in _SEQUENCES:
             fields[name] = tuple(fields.get(name, ()))
         return cls(**fields)
+
+
+@dataclass(frozen=True)
+class PlanEffect:
+    """Auto following its plan against its twin without one (see :meth:`Row.plan_effect`).
+
+    Attributes:
+        steps: the timed steps; the comparison covers steps 2 to ``steps``.
+        ratio: median over those steps of the row's step over its twin's, same round.
+        step_s, no_plan_step_s: median step time of each over those steps.
+        peak_bytes, no_plan_peak_bytes: largest known peak of each over those steps.
+    """
+
+    steps: int
+    ratio: float
+    step_s: float
+    no_plan_step_s: float
+    peak_bytes: int | None
+    no_plan_peak_bytes: int | None
+
+
+def _largest(peaks: Sequence[int | None]) -> int | None:
+    known = [peak for peak in peaks if peak is not None]
+    return max(known) if known else None
 
 
 _SEQUENCES = (
@@ -1226,7 +1270,7 @@ def _cells(row: Row) -> list[str]:
         tiers = " / ".join(human_bytes(row.tiers[t]["bytes"]) for t in ("kept", "host", "disk"))
     return [
         row.policy,
-        "-" if row.peak_bytes is None else human_bytes(row.peak_bytes),
+        _human(row.peak_bytes),
         human_bytes(row.peak_rss_bytes),
         tiers,
         "-" if row.compression_ratio is None else f"{row.compression_ratio:.2f}x",
@@ -1285,18 +1329,14 @@ def _learning(rows: Sequence[Row]) -> list[str]:
     """
     lines: list[str] = []
     for row in rows:
-        count = len(row.step_times)
-        twin = row.no_plan_step_times
-        if not row.policy.startswith(AUTO_PREFIX) or count < 2 or len(twin) != count:
+        effect = row.plan_effect()
+        if effect is None:
             continue
-        ratio = statistics.median(
-            mine / fresh for mine, fresh in zip(row.step_times[1:], twin[1:], strict=True)
-        )
-        span = "step 2" if count == 2 else f"steps 2-{count}"
+        span = "step 2" if effect.steps == 2 else f"steps 2-{effect.steps}"
         lines.append(
-            f"{row.policy}: {span}, step time {ratio:.2f}x that without a plan "
-            f"(median of same-round ratios); peak {_largest(row.step_peak_bytes[1:])} "
-            f"against {_largest(row.no_plan_peak_bytes[1:])} without"
+            f"{row.policy}: {span}, step time {effect.ratio:.2f}x that without a plan "
+            f"(median of same-round ratios); peak {_human(effect.peak_bytes)} "
+            f"against {_human(effect.no_plan_peak_bytes)} without"
         )
     if lines:
         lines[:0] = [
@@ -1307,6 +1347,5 @@ def _learning(rows: Sequence[Row]) -> list[str]:
     return lines
 
 
-def _largest(peaks: Sequence[int | None]) -> str:
-    known = [peak for peak in peaks if peak is not None]
-    return human_bytes(max(known)) if known else "-"
+def _human(nbytes: int | None) -> str:
+    return "-" if nbytes is None else human_bytes(nbytes)
