@@ -41,45 +41,61 @@ _names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _users = 0
 _handles: list[RemovableHandle] = []
-# Storages of parameters and buffers, by address of the storage object: a weak
-# reference to it, dropped with it. A dict lookup by integer is what keeps the
-# pack hook cheap (a WeakSet makes a weak reference for every lookup).
-_parameters: dict[int, weakref.ref[Any]] = {}
-_buffers: dict[int, weakref.ref[Any]] = {}
+# Parameters and buffers by the address of their data: a weak reference to
+# their storage (the entry goes with it) and "parameter" or "buffer". A saved
+# tensor is looked up by its address (no storage object is made for it), and
+# a hit is trusted only once its storage is the one remembered.
+_state: dict[int, tuple[weakref.ref[Any], str]] = {}
 
 
-def _add(table: dict[int, weakref.ref[Any]], storage: Any) -> None:
-    key = id(storage)
-    found = table.get(key)
-    if found is not None and found() is storage:
+def _add(tensor: torch.Tensor, kind: str) -> None:
+    key = tensor.data_ptr()
+    if key == 0:
+        return  # no data (empty, meta): nothing a saved tensor could share
+    storage = tensor.untyped_storage()
+    found = _state.get(key)
+    if found is not None and found[0]() is storage:
+        if kind == "parameter" and found[1] != kind:
+            _state[key] = (found[0], kind)
         return
 
     def gone(dead: weakref.ref[Any]) -> None:
-        if table.get(key) is dead:
-            del table[key]
+        entry = _state.get(key)
+        if entry is not None and entry[0] is dead:
+            del _state[key]
 
-    table[key] = weakref.ref(storage, gone)
+    _state[key] = (weakref.ref(storage, gone), kind)
 
 
-def _holds(table: dict[int, weakref.ref[Any]], storage: Any) -> bool:
-    found = table.get(id(storage))
-    return found is not None and found() is storage
+class _Thread:
+    """This thread's running modules, and how many of them :func:`state_kind` has read."""
+
+    __slots__ = ("reread", "stack")
+
+    def __init__(self) -> None:
+        self.stack: list[nn.Module] = []
+        self.reread = 0
+
+
+def _thread() -> _Thread:
+    try:
+        found: _Thread = _local.thread
+    except AttributeError:
+        found = _local.thread = _Thread()
+    return found
 
 
 def _stack() -> list[nn.Module]:
-    stack: list[nn.Module] | None = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
+    return _thread().stack
 
 
 def _remember(module: nn.Module) -> None:
     for parameter in module._parameters.values():
         if parameter is not None:
-            _add(_parameters, parameter.untyped_storage())
+            _add(parameter, "parameter")
     for buffer in module._buffers.values():
         if buffer is not None:
-            _add(_buffers, buffer.untyped_storage())
+            _add(buffer, "buffer")
 
 
 def _enter(module: nn.Module, args: Any) -> None:
@@ -102,10 +118,11 @@ def _enter(module: nn.Module, args: Any) -> None:
 def _leave(module: nn.Module, args: Any, output: Any) -> None:
     if torch.compiler.is_compiling():
         return
-    stack = _stack()
+    thread = _thread()
+    stack = thread.stack
     if stack and stack[-1] is module:
         stack.pop()
-        _local.reread = min(getattr(_local, "reread", 0), len(stack))
+        thread.reread = min(thread.reread, len(stack))
 
 
 def forget_stack() -> None:
@@ -115,39 +132,38 @@ def forget_stack() -> None:
     BaseException) skips torch's always-called forward hooks, which would leave
     the interrupted modules on the stack and misname every later module.
     """
-    _stack().clear()
-    _local.reread = 0
+    thread = _thread()
+    thread.stack.clear()
+    thread.reread = 0
 
 
-def is_state(storage: Any) -> bool:
-    """Whether a storage holds a parameter or buffer of a module that ran in a session."""
-    return state_kind(storage) is not None
+def is_state(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s data is a parameter or buffer of a module that ran in a session."""
+    return state_kind(tensor, tensor.data_ptr()) is not None
 
 
-def state_kind(storage: Any) -> str | None:
-    """ "parameter" or "buffer" if a module that ran in a session holds ``storage``.
+def state_kind(tensor: torch.Tensor, address: int) -> str | None:
+    """ "parameter" or "buffer" if a module that ran in a session holds ``tensor``'s data.
 
-    On a miss, the tensors of the modules entered since the last miss are read
-    again (their wrappers' pre-forward hooks have run since: see the module
-    docstring), at most once per module call.
+    ``address`` is ``tensor.data_ptr()``: a parameter, a buffer, or a view of
+    one starting where it starts. On a miss, the tensors of the modules
+    entered since the last miss are read again (their wrappers' pre-forward
+    hooks have run since: see the module docstring), at most once per module
+    call.
     """
-    kind = _kind(storage)
-    if kind is not None:
-        return kind
-    stack = _stack()
-    reread: int = getattr(_local, "reread", 0)
-    if reread >= len(stack):
-        return None
-    for module in stack[reread:]:
-        _remember(module)
-    _local.reread = len(stack)
-    return _kind(storage)
-
-
-def _kind(storage: Any) -> str | None:
-    if _holds(_parameters, storage):
-        return "parameter"
-    return "buffer" if _holds(_buffers, storage) else None
+    found = _state.get(address)
+    if found is None:
+        thread = _thread()
+        stack = thread.stack
+        if thread.reread >= len(stack):
+            return None
+        for module in stack[thread.reread :]:
+            _remember(module)
+        thread.reread = len(stack)
+        found = _state.get(address)
+        if found is None:
+            return None
+    return found[1] if found[0]() is tensor.untyped_storage() else None
 
 
 def current() -> str:

@@ -1,9 +1,12 @@
 """Select and Auto: a policy chosen per tensor from its size and the memory left.
 
 # NOTE [ Selection ]
-1. A selector has ``choose(tensor, ctx) -> Policy``; the session calls it for
-   each eligible tensor and keeps the chosen policy beside the packed value,
-   so unpack dispatches on what pack chose (no registry, no ids).
+1. A selector has ``choose(tensor, ctx, site) -> (policy, reason)``; the
+   session calls it for each eligible tensor (``site``: its call site when the
+   session has a profile, else None) and keeps the chosen policy beside the
+   packed value, so unpack dispatches on what pack chose (no registry, no ids).
+   The reason is a structured value (``_reasons.Reason``), rendered only in the
+   decision log.
 2. ``memory`` is a :class:`Memory` snapshot: device free/total bytes (CUDA:
    ``torch.cuda.mem_get_info``; a CPU tensor's device is the host), host
    available bytes (psutil), and the bytes this session holds per tier.
@@ -24,6 +27,9 @@ import psutil
 import torch
 from torch import Tensor
 
+from tensorstash import _reasons
+from tensorstash._names import resolve
+from tensorstash._reasons import Reason, Why, reason
 from tensorstash.compress import Lz4
 from tensorstash.cpu import CpuOffload
 from tensorstash.disk import DiskSpill, check_directory
@@ -123,6 +129,7 @@ class Select:
         free, total = self._read("device", tensor.device, self.device_probe)
         available, _ = self._read("host", _HOST, self.host_probe)
         held = {name: tier.live_bytes for name, tier in ctx.stats.tiers.items()}
+        held["kept"] += ctx.stats.hot.live
         return Memory(free, total, available, held)
 
     def _read(self, kind: str, device: torch.device, probe: Probe) -> tuple[int, int]:
@@ -133,15 +140,16 @@ class Select:
             found = self._cache[key] = (now, probe(device))
         return found[1]
 
-    def choose(self, tensor: Tensor, ctx: Context) -> tuple[Policy | Defer, str | None]:
+    def choose(
+        self, tensor: Tensor, ctx: Context, site: Any = None
+    ) -> tuple[Policy | Defer, Reason | None]:
         """The rule's policy for ``tensor``, and its reason when the rule gives one."""
-        from tensorstash.stash import resolve
-
         choice = self.rule(tensor, self.memory(tensor, ctx))
-        policy, reason = choice if isinstance(choice, tuple) else (choice, None)
+        policy, why = choice if isinstance(choice, tuple) else (choice, None)
+        given = None if why is None else reason(Why.RULE, why)
         if isinstance(policy, Defer):
-            return Defer(resolve(policy.policy), policy.window), reason
-        return resolve(policy), reason
+            return Defer(resolve(policy.policy, api="Select"), policy.window), given
+        return resolve(policy, api="Select"), given
 
     def pack(self, value: Tensor, ctx: Context) -> Any:
         raise TypeError(
@@ -192,28 +200,35 @@ def _resolve_budget(budget: int | float, total: int) -> int:
 class Auto:
     """The default selector: keep what fits, move the rest outwards.
 
-    Rules, in order, for each eligible tensor:
+    Rules, in order, for each eligible tensor (the functions of ``_AutoState``
+    named after them):
 
-    0. From the second step of a session given a :class:`~tensorstash.Profile`:
-       follow the plan made from the last step (see NOTE [ Profile ]): keep
-       sites whose reload stalled backward, then the sites saved last, while
-       they fit in the budget; offload those saved earliest.
-    1. While the tensors this session keeps on their device stay within
-       three quarters of ``device_budget``: keep it ("under device budget"),
-       unless rule 2 holds for a CPU tensor, whose device is that host RAM.
-    2. Host RAM available, less this tensor, would fall under ``host_reserve``:
-       compress and spill it to disk ("host memory low").
-    3. Otherwise: move it to host RAM ("device budget reached"), as it is: the
-       link to the host moves bytes an order of magnitude faster than lz4
-       compresses them. Under twice ``host_reserve`` compressed (lz4 decides per
-       tensor from a sample whether compression pays; "host memory tight"). A
-       CPU tensor's device is host RAM, so it is compressed and spilled to disk.
-    4. Rules 2 and 3 move a tensor only once the tensors saved after it
-       reach the last quarter of the budget: until then it waits, kept, in a
-       window (NOTE [ Recent window ] in stash.py). So the tensors saved last
-       before backward (the output head, the loss), which backward needs
-       first, stay on the device, and kept bytes stay within the budget plus
-       one tensor. With a plan (rule 0) the plan decides instead.
+    1. ``planned``: from the second step of a session given a
+       :class:`~tensorstash.Profile`, follow the plan made from the last step
+       (see NOTE [ Profile ]): keep sites whose reload stalled backward, then
+       the sites saved last, while they fit in the budget; offload those saved
+       earliest.
+    2. ``host_low``: a CPU tensor whose device is host RAM, which this tensor
+       would bring under ``host_reserve``: compress and spill it to disk ("host
+       memory low"), even under the budget.
+    3. ``under_budget``: while the tensors this session keeps on their device
+       stay within three quarters of ``device_budget``: keep it ("under device
+       budget").
+    4. ``outwards``: past that, move it out, deferred through the recent window:
+       it waits, kept, until the tensors saved after it reach the last quarter
+       of the budget (NOTE [ Recent window ] in stash.py), so the tensors
+       backward needs first stay and kept bytes stay within the budget plus
+       one tensor. Where it goes:
+
+       - host RAM available, less this tensor, under ``host_reserve``:
+         compressed and spilled to disk ("host memory low");
+       - a CPU tensor, whose device is host RAM: compressed and spilled;
+       - host RAM under twice ``host_reserve``: compressed in host RAM
+         ("host memory tight"; lz4 decides per tensor from a sample whether
+         compression pays);
+       - otherwise copied to host RAM as it is ("device budget reached"): the
+         link to the host moves bytes an order of magnitude faster than lz4
+         compresses them.
 
     Args:
         device_budget: bytes kept on the device per session: an int, a size
@@ -245,12 +260,16 @@ class Auto:
 
     def state(self, ctx: Context) -> _AutoState:
         """This session's state: its probes, its budget (fixed when first needed), its plan."""
-        state: _AutoState = ctx.resource(("auto", id(self)), lambda: _AutoState(self))
+        state: _AutoState | None = ctx.resources.get(id(self))  # the hot path: no lock
+        if state is None:
+            state = ctx.resource(id(self), lambda: _AutoState(self, ctx))
         return state
 
-    def choose(self, tensor: Tensor, ctx: Context) -> tuple[Policy | Defer, str]:
-        state = self.state(ctx)
-        return state.decide(tensor, state.select.memory(tensor, ctx), ctx)
+    def choose(
+        self, tensor: Tensor, ctx: Context, site: Any = None
+    ) -> tuple[Policy | Defer, Reason]:
+        """Where ``tensor`` goes, by the rules above, and why."""
+        return self.state(ctx).decide(tensor, site)
 
     def pack(self, value: Tensor, ctx: Context) -> Any:
         return Select.pack(self, value, ctx)  # type: ignore[arg-type]
@@ -262,67 +281,109 @@ class Auto:
 RECENT_SHARE = 4
 """Auto keeps the tensors saved last in the last 1/RECENT_SHARE of its budget (rule 4)."""
 
+Choice = tuple[Policy | Defer, Reason]
+"""A policy (or a deferral) and why."""
+
 
 class _AutoState:
-    """Per-session state of an :class:`Auto`: its resolved limits and this step's plan."""
+    """Per-session state of an :class:`Auto`: its probes, its resolved limits, this step's plan."""
 
-    def __init__(self, auto: Auto) -> None:
+    def __init__(self, auto: Auto, ctx: Context) -> None:
         self.auto = auto
+        self.ctx = ctx
+        self.kept = ctx.stats.tiers["kept"]
+        self.hot = ctx.stats.hot  # kept bytes the session counts without a lock
         self.select = Select(_unused_rule, auto.device_probe, auto.host_probe, clock=auto.clock)
         self.keep = Keep()
         self.offload = CpuOffload()
         self.compress = Chain(CpuOffload(), Lz4())
         self.spill = Chain(CpuOffload(), Lz4(), DiskSpill(auto.directory))  # CPU: kept, Lz4, disk
-        self.budget: int | None = None
+        self.budget = -1
+        self.window = 0
         self.reserve = 0
-        self.plan: dict[Any, str] | None = None
+        self.plan: dict[Any, tuple[bool, str]] | None = None
 
-    def _limits(self, memory: Memory) -> int:
-        if self.budget is None:
-            api = "tensorstash.Auto"
-            budget = self.auto.device_budget
-            parsed = None if budget is None else parse_bytes(budget, api, "device_budget")
-            self.budget = (
-                memory.device_free // 2
-                if parsed is None
-                else _resolve_budget(parsed, memory.device_total)
-            )
-            reserve = parse_bytes(self.auto.host_reserve, api, "host_reserve")
-            host_total = self.auto.host_probe(torch.device("cpu"))[1]
-            self.reserve = _resolve_budget(reserve, host_total)
-        return self.budget
+    def decide(self, tensor: Tensor, site: Any = None) -> Choice:
+        """The rules of :class:`Auto`, in order."""
+        if self.budget < 0:
+            self._resolve_limits(tensor)
+        nbytes = tensor.nbytes
+        held = self.hot.live + self.kept.live_bytes + nbytes
+        return (
+            self.planned(tensor, nbytes, held, site)
+            or self.host_low(tensor, nbytes)
+            or self.under_budget(held)
+            or self.outwards(tensor, nbytes)
+        )
 
-    def decide(self, tensor: Tensor, memory: Memory, ctx: Context) -> tuple[Policy | Defer, str]:
-        """The rules of :class:`Auto`, the plan of its profile first (from step two)."""
-        budget = self._limits(memory)
-        nbytes = tensor.numel() * tensor.element_size()
-        held = memory.held["kept"] + nbytes
-        if memory.host_available - nbytes < self.reserve:
-            outwards: tuple[Policy, str] = (self.spill, "host memory low")
-        elif tensor.device.type == "cpu":
-            outwards = (self.spill, "device budget reached; the device is host RAM: to disk")
-        elif memory.host_available - nbytes < 2 * self.reserve:
-            outwards = (self.compress, "device budget reached; host memory tight: compressed")
-        else:
-            outwards = (self.offload, "device budget reached")
-        profile = ctx.profile
-        if profile is not None and profile.steps and ctx.site is not None:
-            if self.plan is None:
-                self.plan = profile.plan(budget, recent=budget // RECENT_SHARE)
-            planned = self.plan.get(ctx.site)
-            if planned is not None:
-                if planned.startswith("keep") and held <= budget:
-                    return self.keep, planned
-                policy, why = outwards
-                return policy, f"{planned}; {why}" if why == "host memory low" else planned
-        window = budget // RECENT_SHARE
-        host_low = outwards[1] == "host memory low"
-        if host_low and tensor.device.type == "cpu":
-            return outwards  # rule 2 first: a CPU tensor's device is the host RAM that is low
-        if held <= budget - window:
-            return self.keep, "under device budget"
-        policy, why = outwards
-        return (Defer(policy, window) if window else policy), why
+    # The rules -----------------------------------------------------------------
+
+    def planned(self, tensor: Tensor, nbytes: int, held: int, site: Any) -> Choice | None:
+        """Rule 1: the plan of the profile for this call site, from step two."""
+        profile = self.ctx.profile
+        if site is None or profile is None or not profile.steps:
+            return None
+        if self.plan is None:
+            self.plan = profile.plan(self.budget, recent=self.window)
+        planned = self.plan.get(site)
+        if planned is None:
+            return None
+        keep, text = planned
+        if keep and held <= self.budget:
+            return self.keep, reason(Why.PLANNED, text)
+        policy, why = self._outwards(tensor, nbytes)
+        if why.why is Why.HOST_LOW:
+            return policy, reason(Why.PLANNED_HOST_LOW, text)
+        return policy, reason(Why.OVER_PLAN if keep else Why.PLANNED, text)
+
+    def host_low(self, tensor: Tensor, nbytes: int) -> Choice | None:
+        """Rule 2: a CPU tensor would bring host RAM under ``host_reserve``."""
+        if tensor.is_cpu and self._host_available() - nbytes < self.reserve:
+            return self.spill, _HOST_LOW
+        return None
+
+    def under_budget(self, held: int) -> Choice | None:
+        """Rule 3: the kept bytes stay within the budget less the recent window."""
+        if held <= self.budget - self.window:
+            return self.keep, _reasons.UNDER_BUDGET
+        return None
+
+    def outwards(self, tensor: Tensor, nbytes: int) -> Choice:
+        """Rule 4: out of the device, through the recent window."""
+        policy, why = self._outwards(tensor, nbytes)
+        return (Defer(policy, self.window) if self.window else policy), why
+
+    # Helpers -----------------------------------------------------------------
+
+    def _outwards(self, tensor: Tensor, nbytes: int) -> tuple[Policy, Reason]:
+        """Where a tensor goes past the budget (the list of rule 4)."""
+        available = self._host_available() - nbytes
+        if available < self.reserve:
+            return self.spill, _HOST_LOW
+        if tensor.is_cpu:
+            return self.spill, _TO_DISK
+        if available < 2 * self.reserve:
+            return self.compress, _HOST_TIGHT
+        return self.offload, _BUDGET_REACHED
+
+    def _host_available(self) -> int:
+        return self.select._read("host", _HOST, self.auto.host_probe)[0]
+
+    def _resolve_limits(self, tensor: Tensor) -> None:
+        api = "tensorstash.Auto"
+        free, total = self.select._read("device", tensor.device, self.auto.device_probe)
+        budget = self.auto.device_budget
+        parsed = None if budget is None else parse_bytes(budget, api, "device_budget")
+        self.budget = free // 2 if parsed is None else _resolve_budget(parsed, total)
+        self.window = self.budget // RECENT_SHARE
+        reserve = parse_bytes(self.auto.host_reserve, api, "host_reserve")
+        self.reserve = _resolve_budget(reserve, self.auto.host_probe(_HOST)[1])
+
+
+_HOST_LOW = Reason(Why.HOST_LOW)
+_TO_DISK = Reason(Why.TO_DISK)
+_HOST_TIGHT = Reason(Why.HOST_TIGHT)
+_BUDGET_REACHED = Reason(Why.BUDGET_REACHED)
 
 
 def _unused_rule(tensor: Tensor, memory: Memory) -> Policy:

@@ -6,8 +6,8 @@
    masks), byte-shuffled floats, plain lz4, or nothing ("raw"). The trial runs
    once per kind of tensor in a session: the tensors that the same operation
    saves with the same dtype, shape and stride (one per layer, say) reuse the
-   method picked for the first of them. A profile's method for the call site
-   (NOTE [ Profile ]) comes first.
+   method picked for the first of them. A session given a profile keeps these
+   methods in it (``Profile.codec_methods``), so later steps run no trial.
 2. "raw" never copies: the bytes stay where they are (a CPU tensor's own
    storage, tier "kept"; host bytes copied from a device, tier "host"),
    counted in ``stats.fallbacks["incompressible"]``.
@@ -32,6 +32,7 @@ from torch import Tensor
 
 from tensorstash import _codec
 from tensorstash._layout import Layout
+from tensorstash._reasons import Reason, Why, reason
 from tensorstash.policy import (
     Context,
     HostBytes,
@@ -91,7 +92,6 @@ def _compress(
     payload: Tensor | HostBytes,
     dtype: torch.dtype,
     acceleration: int,
-    hint: str | None,
     methods: dict[Kind, str],
     kind: Kind,
     pool: Executor,
@@ -99,7 +99,7 @@ def _compress(
     """A worker's job: the sampled trial (unless known, rule 1), then encoding."""
     if isinstance(payload, HostBytes):
         payload = payload.ready()
-    method = hint or methods.get(kind)
+    method = methods.get(kind)
     if method is None:
         method = methods[kind] = _codec.choose(payload, dtype)
     if method != "raw":
@@ -112,29 +112,22 @@ def _compress(
 
 
 def _finished(
-    ref: weakref.ref[Compressed],
-    ctx: Context,
-    future: Future[_codec.Encoded],
-    raw_tier: Tier,
-    record: Any,
+    ref: weakref.ref[Compressed], ctx: Context, future: Future[_codec.Encoded], raw_tier: Tier
 ) -> None:
     if future.exception() is not None:
         return
     encoded = future.result()
-    if record is not None:
-        record.method = encoded.method
     packed = ref()
     if packed is None:
         return
     packed.source = None
     if encoded.method == "raw":
         ctx.stats.fallback("incompressible")
-        ctx.update(packed, raw_tier, encoded.nbytes, "incompressible: left as it was")
+        ctx.update(packed, raw_tier, encoded.nbytes, Reason(Why.INCOMPRESSIBLE))
     else:
         ratio = encoded.nbytes / max(encoded.stored_bytes, 1)
-        ctx.update(
-            packed, "host", encoded.stored_bytes, f"compressible {ratio:.1f}x ({encoded.method})"
-        )
+        outcome = reason(Why.COMPRESSED, f"{ratio:.1f}x ({encoded.method})")
+        ctx.update(packed, "host", encoded.stored_bytes, outcome)
 
 
 @dataclass(frozen=True)
@@ -186,18 +179,12 @@ class Lz4:
         pending: Pending = ctx.resource("lz4-pending", Pending)
         pending.wait_under(self.max_pending_bytes, ctx)
         profile = ctx.profile
-        hint = profile.method(ctx.site) if profile is not None else None
-        methods: dict[Kind, str] = ctx.resource("lz4-methods", dict)
+        methods: dict[Kind, str] = (
+            profile.codec_methods if profile is not None else ctx.resource("lz4-methods", dict)
+        )
         pool = ctx.pool()
         future = pool.submit(
-            _compress,
-            payload,
-            layout.dtype,
-            self.acceleration,
-            hint,
-            methods,
-            _kind(value, layout),
-            pool,
+            _compress, payload, layout.dtype, self.acceleration, methods, _kind(value, layout), pool
         )
         # Rule 2: bytes left raw stay where they were: in the tensor's own
         # storage for a CPU tensor, in host memory for anything copied there.
@@ -206,8 +193,8 @@ class Lz4:
             "host", host.nbytes, layout.nbytes, layout, kind, future=future, source=payload
         )
         pending.add(future, layout.nbytes)
-        ref, record = weakref.ref(packed), ctx.record
-        future.add_done_callback(lambda done: _finished(ref, ctx, done, raw_tier, record))
+        ref = weakref.ref(packed)
+        future.add_done_callback(lambda done: _finished(ref, ctx, done, raw_tier))
         return packed
 
     def unpack(self, packed: Packed, ctx: Context) -> Tensor | Packed:

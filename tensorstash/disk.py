@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from tensorstash._layout import Layout, memory
+from tensorstash._reasons import Reason, Why, reason
 from tensorstash.policy import (
     Context,
     Held,
@@ -477,15 +478,15 @@ def _write_now(
             packed.source = encoded
             packed.inner = inner
         tier: Tier = "host" if inner is not None else "kept"
-        ctx.update(packed, tier, sum(b.nbytes for b in buffers), "disk full: kept in memory")
+        ctx.update(packed, tier, sum(b.nbytes for b in buffers), Reason(Why.DISK_FULL))
         return None
     packed.source = None
-    reason = "spilled"
+    outcome = Reason(Why.SPILLED)
     if skeleton is not None:
         packed.inner = (packed.inner, skeleton)
         if size < packed.nbytes:
-            reason = f"spilled, compressible {packed.nbytes / max(size, 1):.1f}x"
-    ctx.update(packed, "disk", size, reason)
+            outcome = reason(Why.SPILLED_COMPRESSIBLE, f"{packed.nbytes / max(size, 1):.1f}x")
+    ctx.update(packed, "disk", size, outcome)
     return size, crc
 
 

@@ -35,7 +35,8 @@ import torch
 from torch import Tensor
 
 from tensorstash._layout import Layout, describe, rebuild
-from tensorstash.stats import StashStats, Tier
+from tensorstash._reasons import Reason
+from tensorstash.stats import Decision, StashStats, Tier
 
 T = TypeVar("T")
 
@@ -59,13 +60,15 @@ class Packed:
         accounted: whether the session counts it in the stats (see
             :meth:`Context.account`).
         row: its row of the session's decision log, kept current, when recording.
+        outcomes: what background work did before the row was attached.
     """
 
     tier: Tier
     nbytes: int
     stored_bytes: int
     accounted: bool = field(default=False, init=False)
-    row: dict[str, Any] | None = field(default=None, init=False)
+    row: Decision | None = field(default=None, init=False)
+    outcomes: tuple[Reason, ...] = field(default=(), init=False)
 
 
 @dataclass(eq=False, slots=True, weakref_slot=True)
@@ -175,11 +178,8 @@ class Context:
         self._warnings: list[str] = []
         self._warned: set[str] = set()
         self.resources: dict[Any, Any] = {}
-        # The profile of the session, and the call site being packed now (set
-        # by the session around each pack; see NOTE [ Profile ] in profile.py).
+        # The session's profile (NOTE [ Profile ] in profile.py), or None.
         self.profile: Any = None
-        self.site: Any = None
-        self.record: Any = None
 
     # Executors -------------------------------------------------------------------
 
@@ -235,31 +235,38 @@ class Context:
             self._live += 1
             self.stats.add(packed.tier, packed.nbytes, packed.stored_bytes)
 
-    def attach_row(self, packed: Packed, row: dict[str, Any]) -> None:
+    def attach_row(self, packed: Packed, row: Decision) -> None:
         """Keep ``row`` of the decision log current with ``packed`` (see :meth:`update`)."""
         with self._lock:
             packed.row = row
-            row.update(tier=packed.tier, stored_bytes=packed.stored_bytes)
+            row.tier, row.stored_bytes = packed.tier, packed.stored_bytes
+            row.outcomes.extend(packed.outcomes)
 
-    def update(self, packed: Packed, tier: Tier, stored: int, reason: str | None = None) -> None:
+    def update(
+        self, packed: Packed, tier: Tier, stored: int, outcome: Reason | None = None
+    ) -> None:
         """A packed value's bytes moved to ``tier`` and now take ``stored`` bytes.
 
-        ``reason`` (when given) is added to the decision log's reason for it.
+        ``outcome`` (when given) is what the background work did, added to the
+        decision log's row for it.
         """
         with self._lock:
             old = (packed.tier, packed.nbytes, packed.stored_bytes)
             packed.tier, packed.stored_bytes = tier, stored
             if packed.accounted:
                 self.stats.move(old, (tier, packed.nbytes, stored))
-            if packed.row is not None:
-                packed.row.update(tier=tier, stored_bytes=stored)
-                if reason is not None:
-                    packed.row["reason"] = f"{packed.row['reason']}; {reason}"
+            row = packed.row
+            if row is not None:
+                row.tier, row.stored_bytes = tier, stored
+                if outcome is not None:
+                    row.outcomes.append(outcome)
+            elif outcome is not None:  # the session attaches the row after pack returns
+                packed.outcomes += (outcome,)
 
-    def replace(self, old: Packed, new: Packed, reason: str) -> None:
+    def replace(self, old: Packed, new: Packed) -> None:
         """``new`` holds what ``old`` held (a deferred tensor was packed): move its count.
 
-        The decision log row of ``old`` follows ``new``, its reason set to ``reason``.
+        The decision log row of ``old`` follows ``new``; it no longer waits.
         """
         with self._lock:
             if old.accounted:
@@ -269,9 +276,11 @@ class Context:
                     (old.tier, old.nbytes, old.stored_bytes),
                     (new.tier, new.nbytes, new.stored_bytes),
                 )
-            if old.row is not None:
-                new.row, old.row = old.row, None
-                new.row.update(tier=new.tier, stored_bytes=new.stored_bytes, reason=reason)
+            row = old.row
+            if row is not None:
+                new.row, old.row = row, None
+                row.tier, row.stored_bytes, row.waiting = new.tier, new.stored_bytes, False
+                row.outcomes.extend(new.outcomes)
 
     def release(self, packed: Packed) -> None:
         """A packed value was freed: forget its live bytes."""

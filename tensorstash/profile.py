@@ -22,12 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 STATE_VERSION = 1
 """The format of :meth:`Profile.state_dict`."""
 
-_RECORD_FIELDS = ("order", "nbytes", "unpack_s", "offloaded", "method")
+_RECORD_FIELDS = ("order", "nbytes", "unpack_s", "offloaded")
 
 Site = tuple[str, str | None, tuple[int, ...], str, int]
 """``(module, op, shape, dtype, occurrence)``: rule 1 of NOTE [ Profile ]."""
@@ -42,14 +43,12 @@ class SiteRecord:
         nbytes: the tensor's size.
         unpack_s: seconds backward spent in its unpacks (waiting included).
         offloaded: whether its bytes left the device.
-        method: the encoding Lz4's trial chose for it, reused next step.
     """
 
     order: int
     nbytes: int
     unpack_s: float = 0.0
     offloaded: bool = False
-    method: str | None = None
 
 
 @dataclass(eq=False)
@@ -79,6 +78,7 @@ class Profile:
     last: dict[Site, SiteRecord] = field(default_factory=dict)
     current: dict[Site, SiteRecord] = field(default_factory=dict)
     stalls: set[Site] = field(default_factory=set)
+    codec_methods: dict[tuple[Any, ...], str] = field(default_factory=dict)
     _seen: Counter[tuple[Any, ...]] = field(default_factory=Counter)
 
     def start_step(self) -> None:
@@ -125,7 +125,11 @@ class Profile:
             }
             for (module, op, shape, dtype, occurrence), record in sites.items()
         ]
-        return {"version": STATE_VERSION, "steps": steps, "sites": rows}
+        methods = [
+            [op, str(dtype).removeprefix("torch."), list(shape), list(stride), method]
+            for (op, dtype, shape, stride), method in self.codec_methods.items()
+        ]
+        return {"version": STATE_VERSION, "steps": steps, "sites": rows, "codec_methods": methods}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make ``state`` (from :meth:`state_dict`) this profile's last step.
@@ -148,6 +152,10 @@ class Profile:
             if row.get("stalled"):
                 stalls.add(site)
         self.steps, self.last, self.current, self.stalls = int(state["steps"]), last, {}, stalls
+        self.codec_methods = {
+            (op, getattr(torch, dtype), tuple(shape), tuple(stride)): method
+            for op, dtype, shape, stride, method in state.get("codec_methods", [])
+        }
 
     def site(self, module: str, tensor: Tensor) -> Site:
         """The call site of a tensor being saved now (rule 1)."""
@@ -162,16 +170,11 @@ class Profile:
         self.current[site] = record
         return record
 
-    def method(self, site: Site | None) -> str | None:
-        """The encoding chosen for this site last step, if any."""
-        record = self.last.get(site) if site is not None else None
-        return record.method if record is not None else None
-
     def stalled(self, site: Site) -> bool:
         """Whether unpacking this site stalled backward the last time it was offloaded."""
         return site in self.stalls
 
-    def plan(self, budget: int, recent: int = 0) -> dict[Site, str]:
+    def plan(self, budget: int, recent: int = 0) -> dict[Site, tuple[bool, str]]:
         """From ``last``: which sites to keep and which to offload (rule 3).
 
         Kept, while the kept bytes fit in ``budget``: first the sites saved
@@ -182,26 +185,26 @@ class Profile:
         earliest, are offloaded.
 
         Returns:
-            ``{site: reason}``, where a reason starting with "keep" keeps it.
+            ``{site: (keep, why)}``: whether to keep the site, and why, in words.
         """
-        plan: dict[Site, str] = {}
+        plan: dict[Site, tuple[bool, str]] = {}
         kept = 0
         latest_first = sorted(self.last.items(), key=lambda item: -item[1].order)
         for site, record in latest_first:
             if kept >= recent or kept + record.nbytes > budget:
                 break
-            plan[site] = "keep: backward needs it first (saved last)"
+            plan[site] = (True, "keep: backward needs it first (saved last)")
             kept += record.nbytes
         for site, record in latest_first:
             if site not in plan and self.stalled(site) and kept + record.nbytes <= budget:
-                plan[site] = "keep: its reload stalled backward last step"
+                plan[site] = (True, "keep: its reload stalled backward last step")
                 kept += record.nbytes
         for site, record in latest_first:
             if site in plan:
                 continue
             if kept + record.nbytes <= budget:
-                plan[site] = "keep: backward needs it soon (saved late)"
+                plan[site] = (True, "keep: backward needs it soon (saved late)")
                 kept += record.nbytes
             else:
-                plan[site] = "offload: saved early, time to bring it back"
+                plan[site] = (False, "offload: saved early, time to bring it back")
         return plan

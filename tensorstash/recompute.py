@@ -9,9 +9,14 @@
    only inside the region. What the region must keep, its inputs, is saved
    outside that pair, so it goes through the enclosing stash: one model mixes
    recomputed blocks with offloaded ones.
-3. A stash opened inside a region would take the tensors the region means to
-   recompute and break the recomputation, so :func:`~tensorstash.stash`
-   refuses to open there (see ``stash.Session.__enter__``).
+3. A stash opened inside a region (a model that stashes its own forward,
+   checkpointed from outside) passes through: it pushes no hooks, in forward
+   and while backward recomputes the region, so the region's own hooks keep
+   what it recomputes, and the session counts the pass in
+   ``stats.inside_recompute`` (rule 8 of NOTE [ Session ] in stash.py).
+   Under reentrant checkpointing the region runs without grad in forward and
+   with it, outside any hooks, while backward recomputes it: a stash there
+   packs the recomputation like any other forward.
 4. A module keeps its identity and its ``state_dict`` keys: its ``forward`` is
    wrapped on the instance, and unwrapped by :func:`unrecompute`.
 """

@@ -3,28 +3,44 @@
 # NOTE [ Session ]
 Every tensor autograd saves inside ``with stash(policy):`` reaches
 :meth:`Session.pack`; backward hands back what pack returned to
-:meth:`Session.unpack`. Around any policy the session applies these rules:
+:meth:`Session.unpack`. Around any policy the session applies these rules, in
+this order:
 
-1. Eligibility. Parameters (and views or casts of them), other leaf tensors
-   that require grad (the graph holds them anyway: moving them saves
+1. Eligibility. Tensors under ``min_bytes`` (checked first: the most common
+   case, and the cheapest), parameters (and views or casts of them), other leaf
+   tensors that require grad (the graph holds them anyway: moving them saves
    nothing), module buffers (see _modules.py: BatchNorm changes its saved
-   running statistics in place without bumping their version), tensors under
-   ``min_bytes``, and tensors no policy can handle (sparse, nested, meta,
-   quantized, conjugate or negative views, functorch wrappers, subclasses such
-   as fake tensors) are kept untouched and counted in ``stats.skipped``.
+   running statistics in place without bumping their version), and tensors
+   no policy can handle (sparse, nested, meta, quantized, conjugate or
+   negative views, functorch wrappers, subclasses such as fake tensors) are
+   kept untouched and counted in ``stats.skipped``. An untouched tensor is
+   held as it is, without a copy, unless it is the output of the operation
+   saving it: that one is held detached, or the graph would hold itself.
 2. Version check. With hooks pushed autograd no longer notices a saved tensor
    changed in place, so the session records ``tensor._version`` at pack and
    compares at unpack, raising as plain autograd would.
 3. Dedupe. The same storage, geometry and version saved again while its first
-   pack is alive returns that pack (keyed by a weak reference to the storage,
-   never by a bare pointer).
-4. Order. Each pack remembers (weakly) the one before it; backward unpacks
-   roughly in reverse, so unpacking one starts the prefetch of the previous few.
-5. Lifetime. The value autograd holds (a :class:`_Saved`) owns the packed
-   value; when autograd frees the graph, its ``__del__`` releases its stats and the
-   policy's resources. Nothing is freed in unpack: autograd may unpack again.
-6. Nesting. Only the innermost hook pair is active, so an inner session wins in
+   pack is alive returns that pack (:class:`_Dedupe`: by the storage object's
+   identity, never by a bare pointer).
+4. Choice. A selector (Select, Auto) chooses the policy per tensor, with the
+   call site when the session has a profile; a plain policy is used as it is.
+   What is kept costs a small record and a count (:class:`_Kept`); what a
+   policy packs is held with its policy (:class:`_Saved`).
+5. Recent window. A tensor whose choice is :class:`~tensorstash.policy.Defer`
+   waits, kept, in the window until newer tensors push it out (NOTE
+   [ Recent window ], :class:`_RecentWindow`).
+6. Order. Each value remembers (weakly) the packed value before it; backward
+   unpacks roughly in reverse, so unpacking one starts the prefetch of the
+   previous few.
+7. Lifetime. The value autograd holds owns what was packed; when autograd
+   frees the graph, its ``__del__`` releases its stats and the policy's
+   resources. Nothing is freed in unpack: autograd may unpack again.
+8. Nesting. Only the innermost hook pair is active, so an inner session wins in
    its region; :func:`pause` pops this thread's sessions' hooks for a region.
+   A session opened inside a recomputed region (non-reentrant checkpoint,
+   ``recompute``, in forward or while backward recomputes it) pushes nothing:
+   the region's own hooks keep what it recomputes, and the session counts the
+   pass in ``stats.inside_recompute``.
 
 # NOTE [ Recent window ]
 Backward starts with the tensors saved last (the output head, the loss):
@@ -53,12 +69,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tensorstash import _modules
+from tensorstash import _modules, _reasons
+from tensorstash._names import POLICIES
+from tensorstash._names import resolve as _resolve
+from tensorstash._reasons import Reason, Why, reason
 from tensorstash._verify import check, checksum
+from tensorstash.auto import Auto
 from tensorstash.disk import SpillError
 from tensorstash.policy import Context, Defer, Held, Keep, Packed, Policy, bug, nbytes_of
 from tensorstash.profile import Profile, SiteRecord
-from tensorstash.stats import StashStats
+from tensorstash.stats import Decision, StashStats
 
 DEFAULT_MIN_BYTES = 64 * 1024
 """Tensors smaller than this are kept: moving them costs more time than the bytes are worth."""
@@ -66,7 +86,14 @@ DEFAULT_MIN_BYTES = 64 * 1024
 PREFETCH_DEPTH = 2
 """How many earlier packs an unpack starts bringing back."""
 
+NAMES = {**POLICIES, "auto": Auto}
+"""The policy names ``stash()`` accepts."""
+
 _local = threading.local()
+_Tensor = Tensor
+_Parameter = torch.nn.Parameter
+_perf_counter = time.perf_counter
+_sequence_nr = torch._C._autograd._get_sequence_nr
 
 
 def _active() -> list[Session]:
@@ -77,18 +104,6 @@ def _active() -> list[Session]:
     return active
 
 
-def _policy_names() -> dict[str, Any]:
-    from tensorstash.compress import Lz4
-    from tensorstash.cpu import CpuOffload
-    from tensorstash.disk import DiskSpill
-
-    names: dict[str, Any] = {"keep": Keep, "cpu": CpuOffload, "lz4": Lz4, "disk": DiskSpill}
-    from tensorstash.auto import Auto
-
-    names["auto"] = Auto
-    return names
-
-
 def resolve(policy: Policy | str) -> Policy:
     """A policy object from a policy or its name ("keep", "cpu", "lz4", "disk", "auto").
 
@@ -96,61 +111,94 @@ def resolve(policy: Policy | str) -> Policy:
         ValueError: an unknown name.
         TypeError: neither a name nor an object with ``pack`` and ``unpack``.
     """
-    if isinstance(policy, str):
-        names = _policy_names()
-        factory = names.get(policy)
-        if factory is None:
-            raise ValueError(
-                f"tensorstash.stash: unknown policy name {policy!r}; use one of "
-                f"{', '.join(repr(n) for n in names)} or a policy object such as "
-                "tensorstash.Chain(tensorstash.Lz4(), tensorstash.DiskSpill())"
-            )
-        return factory()  # type: ignore[no-any-return,unused-ignore]
-    if isinstance(policy, type):
-        raise TypeError(
-            f"tensorstash.stash: policy is the class {policy.__name__}, not a policy; "
-            f"pass an instance: {policy.__name__}()"
-        )
-    if not (callable(getattr(policy, "pack", None)) and callable(getattr(policy, "unpack", None))):
-        raise TypeError(
-            f"tensorstash.stash: policy must be a policy object (with pack and unpack) or a "
-            f"name such as 'lz4'; got {type(policy).__name__} {policy!r}"
-        )
-    return policy
+    return _resolve(policy, NAMES)
 
 
-# -- what autograd holds --------------------------------------------------------------
+# -- what autograd holds ----------------------------------------------------------------
+
+
+def _held(tensor: Tensor) -> Tensor:
+    """What to hold of a saved tensor without copying it (rule 1).
+
+    Autograd holds a saved input as it is, but a saved output detached: the
+    output's ``grad_fn`` is the node saving it, and holding the output whole
+    from that node would make a cycle that only backward breaks. The node saving
+    a tensor is the last one made on this thread, so an output is recognised by
+    its node's sequence number (the next number to hand out, less one).
+    """
+    grad_fn = tensor.grad_fn
+    if grad_fn is not None and grad_fn._sequence_nr() == _sequence_nr() - 1:
+        return tensor.detach()
+    return tensor
+
+
+class _Kept:
+    """A tensor a policy kept where it is, as autograd holds it (rules 4 and 7).
+
+    Freed on any thread (backward runs on a device's thread), it posts its
+    bytes to the session's :class:`~tensorstash.stats.HotCounts`.
+    """
+
+    __slots__ = ("__weakref__", "nbytes", "prev", "released", "tensor", "version")
+
+    def __init__(
+        self,
+        tensor: Tensor,
+        version: int,
+        nbytes: int,
+        released: collections.deque[int],
+        prev: weakref.ref[_Saved] | None,
+    ) -> None:
+        self.tensor = tensor
+        self.version = version
+        self.nbytes = nbytes
+        self.released = released
+        self.prev = prev
+
+    def geometry(self) -> tuple[Any, ...]:
+        tensor = self.tensor
+        return (tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, self.version)
+
+    def __del__(self) -> None:
+        self.released.append(self.nbytes)
 
 
 class _Saved:
-    """One saved tensor as autograd holds it: the policy, its packed value, a version stamp."""
+    """A tensor a policy packed (or a deferred one, kept until it leaves the window)."""
 
     __slots__ = (
         "__weakref__",
         "checksum",
         "counter",
+        "geometry_",
         "origin",
-        "owner",
         "packed",
         "policy",
         "prefetched",
         "prev",
         "record",
+        "session",
+        "storage",
         "version",
     )
 
-    def __init__(self, policy: Policy, packed: Any, source: Tensor, prev: _Saved | None) -> None:
+    def __init__(self, policy: Policy, packed: Any, source: Tensor, session: Session) -> None:
         self.policy = policy
         self.packed = packed
-        self.owner: tuple[Context, dict[Any, Any], tuple[Any, ...]] | None = None
+        self.session = session
         self.version = source._version
         held = packed.tensor if isinstance(packed, Held) else None
         self.counter = held if held is not None else _version_counter(source)
-        self.prev = None if prev is None else weakref.ref(prev)
+        self.prev = session._last
         self.prefetched = False
         self.record: SiteRecord | None = None
         self.origin = (_modules.current(), source.shape, source.dtype)  # for error messages
         self.checksum: int | Tensor | None = None
+        self.geometry_ = (source.storage_offset(), source.shape, source.stride(), source.dtype)
+        self.storage = weakref.ref(source.untyped_storage())  # see _Dedupe
+
+    def geometry(self) -> tuple[Any, ...]:
+        return (*self.geometry_, self.version)
 
     def where(self) -> str:
         """The module that saved the tensor, for an error message."""
@@ -168,10 +216,8 @@ class _Saved:
             raise _modified(self.counter, now, self.version)
 
     def __del__(self) -> None:
-        """Autograd freed the graph that held this (rule 5): release what it holds."""
-        if self.owner is not None:
-            ctx, dedupe, key = self.owner
-            _release(ctx, self.packed, dedupe, key)
+        """Autograd freed the graph that held this (rule 7): release what it holds."""
+        self.session._release_saved(self)
 
     def switch(self, policy: Policy, packed: Any) -> None:
         """Hold ``packed`` (from ``policy``) instead of the kept tensor (NOTE [ Recent window ])."""
@@ -193,16 +239,6 @@ def _version_counter(tensor: Tensor) -> Tensor:
     return alias
 
 
-class _Untouched:
-    """A tensor kept as it is (not eligible), with its version stamp."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor: Tensor) -> None:
-        self.tensor = tensor.detach()
-        self.version = tensor._version
-
-
 def _modified(tensor: Tensor, now: int, expected: int) -> RuntimeError:
     return RuntimeError(
         "one of the variables needed for gradient computation has been modified by an "
@@ -214,65 +250,178 @@ def _modified(tensor: Tensor, now: int, expected: int) -> RuntimeError:
     )
 
 
-# -- eligibility ------------------------------------------------------------------------
+# -- eligibility (rule 1) -------------------------------------------------------------------
 
 _WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-_PARAMETER_COPIES = frozenset({"ToCopyBackward0", "TBackward0", "TransposeBackward0"})
+_STRIDED = torch.strided
+LEAF = _reasons.LEAF.text()
+"""The reason logged for a saved leaf that is not a parameter (a model input, usually)."""
 
 
-def _is_parameter(tensor: Tensor) -> bool:
-    """A parameter, a view of one, or a cast of one (autocast's bf16 weight copies)."""
-    # The caller checked the type: a plain tensor or exactly a Parameter.
-    if type(tensor) is _Parameter:
-        return True
-    base = tensor._base
-    if base is not None and (
-        isinstance(base, torch.nn.Parameter) or (base.requires_grad and base.is_leaf)
-    ):
-        return True
-    grad_fn = tensor.grad_fn
-    if grad_fn is not None and type(grad_fn).__name__ in _PARAMETER_COPIES:
+def _node_types(*makers: Any) -> frozenset[type]:
+    """The autograd node classes of the ops ``makers`` run on a leaf."""
+    leaf = torch.zeros(2, 2, requires_grad=True)
+    return frozenset(type(make(leaf).grad_fn) for make in makers)
+
+
+_PARAMETER_COPIES = _node_types(
+    lambda w: w.t(), lambda w: w.transpose(0, 1), lambda w: w.to(torch.float64)
+)
+"""Nodes of a parameter's copies that share nothing with it (autocast's casts, ``weight.t()``)."""
+_ACCUMULATE_GRAD = type(torch.zeros(1, requires_grad=True).expand(2).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
+
+
+def _ineligible(tensor: Tensor, grad_fn: Any) -> Reason | None:
+    """Why a plain tensor of at least ``min_bytes`` is kept untouched, from what is cheap to ask.
+
+    A leaf that requires grad, a parameter, a view of one or a cast of one
+    (autocast's bf16 weight copies, ``weight.t()``). ``grad_fn`` is the
+    tensor's. The caller checks module state by address, and :func:`_unusual`
+    before a policy moves the tensor.
+    """
+    if grad_fn is None:
+        if tensor.requires_grad:
+            return _reasons.LEAF
+    elif type(grad_fn) in _PARAMETER_COPIES:
         nexts = grad_fn.next_functions
-        return len(nexts) == 1 and type(nexts[0][0]).__name__ == "AccumulateGrad"
+        if len(nexts) == 1 and type(nexts[0][0]) is _ACCUMULATE_GRAD:
+            return _reasons.PARAMETER
+    base = tensor._base
+    if base is not None and (type(base) is _Parameter or (base.requires_grad and base.is_leaf)):
+        return _reasons.PARAMETER
+    return None
+
+
+def _unusual(tensor: Tensor) -> Reason | None:
+    """Why no policy can move a plain tensor (rule 1): checked before one tries.
+
+    Keeping such a tensor is what the session would do anyway, so the kept
+    path does not ask.
+    """
+    if tensor.layout is not _STRIDED:
+        return reason(Why.LAYOUT, str(tensor.layout).removeprefix("torch."))
+    if tensor.is_nested:
+        return Reason(Why.NESTED)
+    if _WRAPPED is not None and _WRAPPED(tensor):
+        return Reason(Why.FUNCTORCH)
+    if not (tensor.is_cpu or tensor.is_cuda):
+        return reason(Why.DEVICE, tensor.device.type)
+    if tensor.is_quantized:
+        return Reason(Why.QUANTIZED)
+    if tensor.is_conj() or tensor.is_neg():
+        return Reason(Why.CONJUGATE)
+    return None
+
+
+def _unsized_reason(tensor: Tensor) -> Reason:
+    """Why a plain tensor without ``nbytes`` (sparse, nested) is kept untouched."""
+    if tensor.is_nested:
+        return Reason(Why.NESTED)
+    return reason(Why.LAYOUT, str(tensor.layout).removeprefix("torch."))
+
+
+def _subclass_reason(tensor: Tensor) -> Reason:
+    """Why a tensor that is not a plain Tensor is kept untouched."""
+    return _reasons.PARAMETER if type(tensor) is _Parameter else _reasons.SUBCLASS
+
+
+# -- rule 3 and rule 5 ------------------------------------------------------------------------
+
+
+class _Dedupe:
+    """Rule 3: a storage saved again with the same geometry and version returns its first pack.
+
+    Values are found by the address of the tensor's data, then compared by
+    geometry and version. A kept value holds its tensor, so no other storage
+    can take its address while it lives; a packed value's storage may die
+    first and its address be reused, so it is trusted only while its storage is
+    the tensor's (a weak reference, never a bare pointer alone). Values are held
+    weakly and dead entries are swept as the table grows, so freeing a value
+    costs nothing here.
+    """
+
+    def __init__(self) -> None:
+        self._values: dict[int, weakref.ref[Any] | list[weakref.ref[Any]]] = {}
+        self._sweep_at = 1024
+
+    def find(self, tensor: Tensor, address: int) -> _Kept | _Saved | None:
+        entry = self._values.get(address)
+        if entry is None:
+            return None
+        geometry = (
+            tensor.storage_offset(),
+            tensor.shape,
+            tensor.stride(),
+            tensor.dtype,
+            tensor._version,
+        )
+        for ref in _refs(entry):
+            value = ref()
+            if value is None or value.geometry() != geometry:
+                continue
+            if isinstance(value, _Saved) and value.storage() is not tensor.untyped_storage():
+                continue
+            return value
+        return None
+
+    def add(self, value: _Kept | _Saved, address: int) -> None:
+        values = self._values
+        entry = values.get(address)
+        if entry is None:
+            values[address] = weakref.ref(value)
+            if len(values) >= self._sweep_at:
+                for dead in [key for key, entry in values.items() if not _live(entry)]:
+                    del values[dead]
+                self._sweep_at = max(1024, 2 * len(values))
+            return
+        refs = [ref for ref in _refs(entry) if _live(ref)]
+        refs.append(weakref.ref(value))
+        values[address] = refs if len(refs) > 1 else refs[0]
+
+
+def _refs(entry: weakref.ref[Any] | list[weakref.ref[Any]]) -> list[weakref.ref[Any]]:
+    return entry if isinstance(entry, list) else [entry]
+
+
+def _live(entry: weakref.ref[Any] | list[weakref.ref[Any]]) -> bool:
+    """Whether a dedupe entry still holds a value whose storage lives."""
+    for ref in _refs(entry):
+        value = ref()
+        if value is not None and (not isinstance(value, _Saved) or value.storage() is not None):
+            return True
     return False
 
 
-def _ineligible(tensor: Tensor, min_bytes: int) -> str | None:
-    """Why a tensor must be kept untouched (rule 1), or None if a policy may take it.
+class _RecentWindow:
+    """Deferred tensors, kept until newer ones push them out (NOTE [ Recent window ])."""
 
-    The checks run cheapest and most common first: this is the hot path of
-    every small saved tensor.
-    """
-    if type(tensor) not in _PLAIN:
-        return "tensor subclass"
-    if tensor.layout != torch.strided:
-        return f"{str(tensor.layout).removeprefix('torch.')} layout"
-    if tensor.is_nested:
-        return "nested tensor"
-    if tensor.numel() * tensor.element_size() < min_bytes:
-        return "under min_bytes"
-    if _WRAPPED is not None and _WRAPPED(tensor):
-        return "functorch wrapper"
-    if not (tensor.is_cpu or tensor.is_cuda):
-        return f"{tensor.device.type} device"
-    if tensor.is_quantized:
-        return "quantized"
-    if tensor.is_conj() or tensor.is_neg():
-        return "conjugate or negative view"
-    if _is_parameter(tensor):
-        return "parameter"
-    if tensor.requires_grad and tensor.is_leaf:
-        return LEAF
-    return None  # the caller checks for buffers, with the storage it needs anyway
+    def __init__(self) -> None:
+        self._entries: collections.deque[tuple[weakref.ref[_Saved], Defer, int]] = (
+            collections.deque()
+        )
+        self.bytes = 0
 
+    def leaving(self, nbytes: int, size: int) -> Iterator[tuple[_Saved, Defer]]:
+        """The entries that leave as ``nbytes`` more enter a window of ``size`` bytes.
 
-_Parameter = torch.nn.Parameter
-LEAF = "leaf that requires grad"
-"""The reason logged for a saved leaf that is not a parameter (a model input, usually)."""
-_PLAIN = (Tensor, _Parameter)
+        An entry leaves once the bytes saved after it, the incoming ones
+        included, reach ``size``. It leaves before the incoming tensor is
+        counted, so kept bytes never hold both.
+        """
+        entries = self._entries
+        while entries and self.bytes - entries[0][2] + nbytes >= size:
+            ref, deferred, entry_bytes = entries.popleft()
+            self.bytes -= entry_bytes
+            waiting = ref()
+            if waiting is not None:
+                yield waiting, deferred
+
+    def enter(self, saved: _Saved, deferred: Defer, nbytes: int) -> None:
+        self._entries.append((weakref.ref(saved), deferred, nbytes))
+        self.bytes += nbytes
 
 
-# -- the session --------------------------------------------------------------------------
+# -- the session ----------------------------------------------------------------------------
 
 
 class Session(contextlib.ContextDecorator):
@@ -299,31 +448,45 @@ class Session(contextlib.ContextDecorator):
         self.min_bytes = min_bytes
         self.record = record
         self.profile = profile
-        self.stats = StashStats()
-        self._ctx = Context(self.stats, workers=workers)
+        self._stats = StashStats()
+        self._ctx = Context(self._stats, workers=workers)
         self._ctx.profile = profile
+        self._choose = getattr(policy, "choose", None)
         self._last: weakref.ref[_Saved] | None = None
-        self._window: collections.deque[tuple[weakref.ref[_Saved], Defer, int]] = (
-            collections.deque()
-        )
-        self._window_bytes = 0
-        self._dedupe: dict[tuple[Any, ...], tuple[weakref.ref[Any], weakref.ref[_Saved]]] = {}
+        self._window = _RecentWindow()
+        self._dedupe = _Dedupe()
+        self._hot = self._stats.hot  # counted without a lock: see HotCounts
+        self._kept_tier = self._stats.tiers["kept"]
+        self._owner = 0  # the thread whose hooks this session pushed last
+        self._pushed: list[bool] = []  # per open: whether this enter pushed hooks (rule 8)
 
     def __repr__(self) -> str:
         return f"tensorstash.stash({self.policy!r}, min_bytes={self.min_bytes})"
+
+    @property
+    def stats(self) -> StashStats:
+        """What the session did.
+
+        Read on the thread that runs the session, it is exact; read on another
+        while the session is open, it lags by the tensors kept since it was
+        last read on that thread.
+        """
+        if threading.get_ident() == self._owner:
+            self._stats.fold()
+        return self._stats
 
     # Context manager ---------------------------------------------------------------
 
     def __enter__(self) -> Session:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint":
-            raise RuntimeError(
-                "tensorstash.stash: cannot open a stash inside a recomputed (checkpointed) "
-                "region: it would take the tensors the region recomputes. Open the stash "
-                "around the model instead; the region's inputs go through it (see "
-                "NOTE [ Recompute ] in tensorstash/recompute.py)"
-            )
+            self._pushed.append(False)  # rule 8: the region recomputes its tensors
+            with self._stats._lock:
+                self._stats.inside_recompute += 1
+            return self
         torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+        self._pushed.append(True)
+        self._owner = threading.get_ident()
         if self.profile is not None:
             self.profile.start_step()
         _active().append(self)
@@ -332,6 +495,11 @@ class Session(contextlib.ContextDecorator):
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if not self._pushed:
+            raise RuntimeError("tensorstash.stash: the session was exited more often than entered")
+        if not self._pushed[-1]:
+            self._pushed.pop()
+            return
         active = _active()
         if not active or active[-1] is not self:
             raise RuntimeError(
@@ -345,82 +513,172 @@ class Session(contextlib.ContextDecorator):
                 "session; close them before the session ends"
             )
         torch._C._autograd._pop_saved_tensors_default_hooks()
+        self._pushed.pop()
         active.pop()
         if not active:
             _modules.forget_stack()
         _modules.untrack()
+        self._stats.fold()
         self._ctx.closed()
         self._ctx.flush_warnings()
 
     # Hooks ----------------------------------------------------------------------------
 
     def pack(self, tensor: Tensor) -> Any:
-        """The pack hook: decide, dedupe, pack, account (NOTE [ Session ])."""
-        start = time.perf_counter()
-        reason = _ineligible(tensor, self.min_bytes)
-        storage = None
-        if reason is None:
-            storage = tensor.untyped_storage()
-            reason = _modules.state_kind(storage)
-        if reason is not None:
-            self.stats.skip(reason, nbytes_of(tensor))
+        """The pack hook: the rules of NOTE [ Session ], in order."""
+        # Rule 1: eligibility, the size first (most tensors are small).
+        try:
+            nbytes = tensor.nbytes
+        except RuntimeError:  # sparse tensors have no plain size
+            return self._untouched(tensor, _unsized_reason(tensor), nbytes_of(tensor))
+        grad_fn = tensor.grad_fn
+        held = tensor
+        if grad_fn is not None and grad_fn._sequence_nr() == _sequence_nr() - 1:
+            held = tensor.detach()  # an output of the op saving it: see _held
+        if nbytes < self.min_bytes:
+            hot = self._hot
+            hot.small_tensors += 1
+            hot.small_bytes += nbytes
             if self.record:
-                self._log(tensor, "kept", nbytes_of(tensor), reason)
-            return _Untouched(tensor)
-        key = self._dedupe_key(tensor, storage)
-        found = self._dedupe.get(key)
-        if found is not None and found[0]() is storage:
-            saved = found[1]()
-            if saved is not None:
-                self.stats.count_dedupe()
-                if self.record:
-                    self._log(tensor, getattr(saved.packed, "tier", "kept"), 0, "deduplicated")
-                return saved
-        record = None
+                self._log(tensor, "kept", nbytes, _reasons.UNDER_MIN_BYTES)
+            return (held, tensor._version)
+        if type(tensor) is not _Tensor:
+            return self._untouched(tensor, _subclass_reason(tensor), nbytes)
+        why = _ineligible(tensor, grad_fn)
+        if why is not None:
+            return self._untouched(tensor, why, nbytes)
+        try:
+            address = tensor.data_ptr()
+        except (RuntimeError, NotImplementedError):  # no storage: mkldnn, functorch wrappers
+            return self._untouched(tensor, _unusual(tensor) or _reasons.SUBCLASS, nbytes)
+        kind = _modules.state_kind(tensor, address) if address else None
+        if kind is not None:
+            why = _reasons.BUFFER if kind == "buffer" else _reasons.PARAMETER
+            return self._untouched(tensor, why, nbytes)
+        # Rule 2 is in the values made below: each records the version.
+        # Rule 3: dedupe.
+        hot = self._hot
+        if hot.released:
+            hot.drain()
+        found = self._dedupe.find(tensor, address) if nbytes else None
+        if found is not None:
+            return self._deduplicated(tensor, found)
+        # Rule 4: choice.
+        record = site = None
         if self.profile is not None:
             site = self.profile.site(_modules.current(), tensor)
-            record = self.profile.record_pack(site, nbytes_of(tensor))
-            self._ctx.site, self._ctx.record = site, record
-        policy, reason = self.policy, None
-        choose = getattr(policy, "choose", None)
-        if choose is not None:  # a selector: NOTE [ Selection ] in auto.py
-            policy, reason = choose(tensor, self._ctx)
+            record = self.profile.record_pack(site, nbytes)
+        policy: Any = self.policy
+        why = None
+        if self._choose is not None:
+            policy, why = self._choose(tensor, self._ctx, site)
+        if type(policy) is not Keep or self.verify:
+            return self._pack(tensor, address, policy, why, record)
+        kept = _Kept(held, tensor._version, nbytes, hot.released, self._last)
+        hot.tensors += 1
+        hot.bytes += nbytes
+        live = hot.live = hot.live + nbytes
+        if live + self._kept_tier.live_bytes > hot.peak:
+            hot.peak = live + self._kept_tier.live_bytes
+        self._dedupe.add(kept, address)
+        if self.record:
+            self._log(tensor, "kept", nbytes, why or _policy_reason(policy))
+        return kept
+
+    def unpack(self, saved: Any) -> Tensor:
+        """The unpack hook: check the version (rule 2), prefetch earlier packs (rule 6), unpack."""
+        kind = type(saved)
+        if kind is tuple:
+            tensor, version = saved
+            if tensor._version != version:
+                raise _modified(tensor, tensor._version, version)
+            return tensor
+        if kind is _Kept:
+            tensor = saved.tensor
+            if tensor._version != saved.version:
+                raise _modified(tensor, tensor._version, saved.version)
+            self._hot.unpacks += 1
+            if saved.prev is not None:
+                self._prefetch_from(saved.prev)
+            return tensor
+        if kind is not _Saved:
+            raise bug(f"unpack received {type(saved).__name__}")
+        return self._unpack(saved)
+
+    @property
+    def decisions(self) -> list[dict[str, Any]]:
+        """The decision log (``record=True``): one row per saved tensor, in pack order.
+
+        Each row has ``module`` (path of the module that saved it), ``op`` (the
+        operation that produced it), ``shape``, ``dtype``, ``bytes``, ``tier``,
+        ``stored_bytes`` and ``reason``; tier and stored bytes are updated as
+        background compression and writes finish.
+        """
+        return self._stats.decisions
+
+    # Internals -------------------------------------------------------------------------
+
+    def _deduplicated(self, tensor: Tensor, found: _Kept | _Saved) -> _Kept | _Saved:
+        """Rule 3: a value already packed for this storage, geometry and version."""
+        self._stats.count_dedupe()
+        if self.record:
+            packed = found.packed if isinstance(found, _Saved) else None
+            tier = packed.tier if isinstance(packed, Packed) else "kept"
+            self._log(tensor, tier, 0, _reasons.DEDUPLICATED)
+        return found
+
+    def _untouched(self, tensor: Tensor, why: Reason, nbytes: int) -> tuple[Tensor, int]:
+        """Rule 1: keep ``tensor`` as it is, counted in ``stats.skipped``."""
+        self._stats.skip(why, nbytes)
+        if self.record:
+            self._log(tensor, "kept", nbytes, why)
+        return (_held(tensor), tensor._version)
+
+    def _pack(
+        self,
+        tensor: Tensor,
+        address: int,
+        policy: Any,
+        why: Reason | None,
+        record: SiteRecord | None,
+    ) -> _Saved | tuple[Tensor, int]:
+        """Rules 4 to 6 for a tensor a policy packs (or a selector defers)."""
+        unusual = _unusual(tensor)
+        if unusual is not None:
+            return self._untouched(tensor, unusual, tensor.nbytes)
+        start = _perf_counter()
         deferred = policy if isinstance(policy, Defer) else None
         if deferred is not None:
             policy = _KEEP
-            self._make_room(nbytes_of(tensor), deferred.window)
+            for waiting, leaving in self._window.leaving(tensor.nbytes, deferred.window):
+                self._pack_deferred(waiting, leaving)
         packed = policy.pack(tensor, self._ctx)
-        self._ctx.site = self._ctx.record = None
+        saved = _Saved(policy, packed, tensor, self)
         if self.record and isinstance(packed, Packed):
-            why = reason or f"policy {type(policy).__name__}"
-            if deferred is not None:
-                why = f"{why}; {_RECENT}"
-            self._ctx.attach_row(packed, self._log(tensor, packed.tier, packed.stored_bytes, why))
-        saved = _Saved(policy, packed, tensor, None if self._last is None else self._last())
+            row = self._log(tensor, packed.tier, packed.stored_bytes, why or _policy_reason(policy))
+            row.waiting = deferred is not None
+            self._ctx.attach_row(packed, row)
         if self.verify:
             saved.checksum = checksum(tensor)
         if record is not None:
             record.offloaded = getattr(packed, "tier", "kept") != "kept"
             saved.record = record
-        self._remember(saved, key, storage)
+        if isinstance(packed, Packed):
+            self._ctx.account(packed)
+        if address:
+            self._dedupe.add(saved, address)
+        self._last = weakref.ref(saved)
         if deferred is not None:
-            self._window.append((weakref.ref(saved), deferred, nbytes_of(tensor)))
-            self._window_bytes += nbytes_of(tensor)
-        self.stats.timed("pack", time.perf_counter() - start)
+            self._window.enter(saved, deferred, tensor.nbytes)
+        self._stats.timed("pack", _perf_counter() - start)
         self._ctx.flush_warnings()
         return saved
 
-    def unpack(self, saved: Any) -> Tensor:
-        """The unpack hook: check the version, prefetch earlier packs, unpack."""
-        if isinstance(saved, _Untouched):
-            if saved.tensor._version != saved.version:
-                raise _modified(saved.tensor, saved.tensor._version, saved.version)
-            return saved.tensor
-        if not isinstance(saved, _Saved):
-            raise bug(f"unpack received {type(saved).__name__}")
-        start = time.perf_counter()
+    def _unpack(self, saved: _Saved) -> Tensor:
+        start = _perf_counter()
         saved.check_version()
-        self._prefetch_before(saved)
+        if saved.prev is not None:
+            self._prefetch_from(saved.prev)
         record, profile = saved.record, self.profile
         began = profile.clock() if record is not None and profile is not None else 0.0
         try:
@@ -439,74 +697,24 @@ class Session(contextlib.ContextDecorator):
             raise bug(f"policy {saved.policy!r} unpacked to {type(tensor).__name__}")
         if saved.checksum is not None:
             check(saved.checksum, tensor, f"{saved.describe()}, unpacked by {saved.policy!r},")
-        self.stats.timed("unpack", time.perf_counter() - start)
+        self._stats.timed("unpack", _perf_counter() - start)
         self._ctx.flush_warnings()
         return tensor
 
-    @property
-    def decisions(self) -> list[dict[str, Any]]:
-        """The decision log (``record=True``): one row per saved tensor, in pack order.
-
-        Each row has ``module`` (path of the module that saved it), ``op`` (the
-        operation that produced it), ``shape``, ``dtype``, ``bytes``, ``tier``,
-        ``stored_bytes`` and ``reason``; tier and stored bytes are updated as
-        background compression and writes finish.
-        """
-        return self.stats.decisions
-
-    # Internals -------------------------------------------------------------------------
-
-    def _log(self, tensor: Tensor, tier: str, stored: int, reason: str) -> dict[str, Any]:
+    def _log(self, tensor: Tensor, tier: Any, stored: int, why: Reason) -> Decision:
         grad_fn = tensor.grad_fn
-        row = {
-            "module": _modules.current(),
-            "op": type(grad_fn).__name__ if grad_fn is not None else None,
-            "shape": list(tensor.shape),
-            "dtype": str(tensor.dtype).removeprefix("torch."),
-            "bytes": nbytes_of(tensor),
-            "tier": tier,
-            "stored_bytes": stored,
-            "reason": reason,
-        }
-        self.stats.log(row)
-        return row
-
-    @staticmethod
-    def _dedupe_key(tensor: Tensor, storage: Any) -> tuple[Any, ...]:
-        return (
-            id(storage),
-            tensor.storage_offset(),
-            tensor.shape,
-            tensor.stride(),
-            tensor.dtype,
-            tensor._version,
+        row = Decision(
+            module=_modules.current(),
+            op=type(grad_fn).__name__ if grad_fn is not None else None,
+            shape=list(tensor.shape),
+            dtype=str(tensor.dtype).removeprefix("torch."),
+            bytes=tensor.nbytes,
+            tier=tier,
+            stored_bytes=stored,
+            reason=why,
         )
-
-    def _remember(self, saved: _Saved, key: tuple[Any, ...], storage: Any) -> None:
-        packed = saved.packed
-        if isinstance(packed, Packed):
-            self._ctx.account(packed)
-        self._dedupe[key] = (weakref.ref(storage), weakref.ref(saved))
-        self._last = weakref.ref(saved)
-        saved.owner = (self._ctx, self._dedupe, key)
-
-    def _make_room(self, nbytes: int, size: int) -> None:
-        """Pack what leaves the recent window as ``nbytes`` more enter it.
-
-        An entry leaves once the bytes saved after it, the incoming ones
-        included, reach ``size`` (NOTE [ Recent window ]). It leaves before the
-        incoming tensor is counted, so kept bytes never hold both.
-        """
-        window = self._window
-        site, record = self._ctx.site, self._ctx.record
-        self._ctx.site = self._ctx.record = None
-        while window and self._window_bytes - window[0][2] + nbytes >= size:
-            ref, oldest, oldest_bytes = window.popleft()
-            self._window_bytes -= oldest_bytes
-            waiting = ref()
-            if waiting is not None:
-                self._pack_deferred(waiting, oldest)
-        self._ctx.site, self._ctx.record = site, record
+        self._stats.log(row)
+        return row
 
     def _pack_deferred(self, saved: _Saved, deferred: Defer) -> None:
         held = saved.packed
@@ -517,38 +725,38 @@ class Session(contextlib.ContextDecorator):
             return  # changed in place: unpack raises, as autograd would
         packed = deferred.policy.pack(tensor, self._ctx)
         if isinstance(packed, Packed):
-            reason = held.row["reason"] if held.row is not None else ""
-            self._ctx.replace(held, packed, reason.replace(f"; {_RECENT}", ""))
+            self._ctx.replace(held, packed)
         else:
             self._ctx.release(held)
         saved.switch(deferred.policy, packed)
         if saved.record is not None:
             saved.record.offloaded = getattr(packed, "tier", "kept") != "kept"
 
-    def _prefetch_before(self, saved: _Saved) -> None:
-        ref = saved.prev
+    def _prefetch_from(self, ref: weakref.ref[_Saved]) -> None:
+        """Rule 6: start bringing back the packed values before an unpacked one."""
+        found: weakref.ref[_Saved] | None = ref
         for _ in range(PREFETCH_DEPTH):
-            earlier = ref() if ref is not None else None
+            earlier = found() if found is not None else None
             if earlier is None:
                 return
             prefetch = getattr(earlier.policy, "prefetch", None)
             if prefetch is not None and not earlier.prefetched:
                 earlier.prefetched = True
                 prefetch(earlier.packed, self._ctx)
-            ref = earlier.prev
+            found = earlier.prev
+
+    def _release_saved(self, saved: _Saved) -> None:
+        """Rule 7 for a packed value: release its resources."""
+        packed = saved.packed
+        if isinstance(packed, Packed):
+            self._ctx.release(packed)
 
 
 _KEEP = Keep()
-_RECENT = "saved last: kept for backward to start with"
 
 
-def _release(ctx: Context, packed: Any, dedupe: dict[Any, Any], key: tuple[Any, ...]) -> None:
-    """When a :class:`_Saved` is freed: forget its dedupe entry and its live bytes."""
-    entry = dedupe.get(key)
-    if entry is not None and entry[1]() is None:
-        del dedupe[key]
-    if isinstance(packed, Packed):
-        ctx.release(packed)
+def _policy_reason(policy: Any) -> Reason:
+    return reason(Why.POLICY, type(policy).__name__)
 
 
 def stash(

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from tensorstash._reasons import Reason, Why
 
 Tier = Literal["kept", "host", "disk"]
 TIERS: tuple[Tier, ...] = ("kept", "host", "disk")
@@ -32,9 +35,91 @@ class TierStats:
     live_bytes: int = 0
     peak_bytes: int = 0
 
-    def _hold(self, stored: int) -> None:
+    def _hold(self, stored: int, beside: int = 0) -> None:
+        """Hold ``stored`` more bytes; ``beside``: bytes of this tier counted elsewhere."""
         self.live_bytes += stored
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.live_bytes + beside > self.peak_bytes:
+            self.peak_bytes = self.live_bytes + beside
+
+
+class HotCounts:
+    """What the pack hook counts without a lock, until :meth:`StashStats.fold` adds it.
+
+    One thread writes these counts: the thread that runs the session's hooks.
+    A kept tensor freed on another thread (backward on a device's thread)
+    posts its bytes to ``released``, which that thread drains.
+
+    Attributes:
+        small_tensors, small_bytes: tensors under ``min_bytes``, and their bytes.
+        tensors, bytes: tensors kept where they are by a policy, and their bytes.
+        live: bytes of those held now; ``peak``: the most held in the tier at once.
+        unpacks: unpacks of those tensors.
+        released: bytes of kept tensors freed, not yet taken off ``live``.
+    """
+
+    __slots__ = (
+        "bytes",
+        "live",
+        "peak",
+        "released",
+        "small_bytes",
+        "small_tensors",
+        "tensors",
+        "unpacks",
+    )
+
+    def __init__(self) -> None:
+        self.small_tensors = self.small_bytes = 0
+        self.tensors = self.bytes = self.live = self.peak = self.unpacks = 0
+        self.released: collections.deque[int] = collections.deque()
+
+    def drain(self) -> None:
+        """Take the bytes of freed kept tensors off ``live`` (on the hooks' thread)."""
+        released = self.released
+        while released:
+            self.live -= released.popleft()
+
+
+@dataclass(eq=False, slots=True)
+class Decision:
+    """One row of the decision log, kept current as background work moves its bytes.
+
+    ``reason`` is why the tensor went where it went; ``waiting`` says it waits in
+    the recent window; ``outcomes`` are what background work did with it since.
+    :meth:`row` renders it for people.
+    """
+
+    module: str
+    op: str | None
+    shape: list[int]
+    dtype: str
+    bytes: int
+    tier: Tier
+    stored_bytes: int
+    reason: Reason
+    waiting: bool = False
+    outcomes: list[Reason] = field(default_factory=list)
+
+    def text(self) -> str:
+        """The reason, the window and the outcomes as one line, "; " between them."""
+        parts = [self.reason.text()]
+        if self.waiting:
+            parts.append(Why.RECENT.value)
+        parts.extend(outcome.text() for outcome in self.outcomes)
+        return "; ".join(parts)
+
+    def row(self) -> dict[str, Any]:
+        """The row as the public decision log shows it."""
+        return {
+            "module": self.module,
+            "op": self.op,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "bytes": self.bytes,
+            "tier": self.tier,
+            "stored_bytes": self.stored_bytes,
+            "reason": self.text(),
+        }
 
 
 @dataclass(eq=False)
@@ -60,7 +145,9 @@ class StashStats:
     fallbacks: Counter[str] = field(default_factory=Counter)
     deduplicated: int = 0
     unpacks: int = 0
-    decisions: list[dict[str, Any]] = field(default_factory=list)
+    inside_recompute: int = 0
+    hot: HotCounts = field(default_factory=HotCounts, repr=False, compare=False)
+    _log: list[Decision | dict[str, Any]] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # -- updates (called by the session and by policies) ------------------------
@@ -72,7 +159,7 @@ class StashStats:
             counters.tensors += 1
             counters.bytes += nbytes
             counters.stored_bytes += stored
-            counters._hold(stored)
+            counters._hold(stored, self.hot.live if tier == "kept" else 0)
 
     def move(self, old: tuple[Tier, int, int], new: tuple[Tier, int, int]) -> None:
         """Move a packed tensor's bytes: ``(tier, nbytes, stored)`` before and after.
@@ -90,19 +177,46 @@ class StashStats:
                 after.tensors += 1
                 after.bytes += new[1]
             after.stored_bytes += new[2]
-            after._hold(new[2])
+            after._hold(new[2], self.hot.live if new[0] == "kept" else 0)
+
+    def fold(self) -> None:
+        """Add the hot path's counts (:class:`HotCounts`) to the tiers.
+
+        Call it on the thread that runs the session's hooks; the session does,
+        when its stats are read there and when it exits.
+        """
+        hot = self.hot
+        hot.drain()
+        with self._lock:
+            if hot.small_tensors:
+                self.skipped[_UNDER_MIN_BYTES] += hot.small_tensors
+                kept = self.tiers["kept"]
+                kept.tensors += hot.small_tensors
+                kept.bytes += hot.small_bytes
+                kept.stored_bytes += hot.small_bytes
+                hot.small_tensors = hot.small_bytes = 0
+            if hot.tensors or hot.live or hot.peak:
+                kept = self.tiers["kept"]
+                kept.tensors += hot.tensors
+                kept.bytes += hot.bytes
+                kept.stored_bytes += hot.bytes
+                kept.live_bytes += hot.live
+                kept.peak_bytes = max(kept.peak_bytes, hot.peak)
+                hot.tensors = hot.bytes = hot.live = hot.peak = 0
+            self.unpacks += hot.unpacks
+            hot.unpacks = 0
 
     def release(self, tier: Tier, stored: int) -> None:
         """Forget ``stored`` live bytes of ``tier``: their packed value was freed."""
         with self._lock:
             self.tiers[tier].live_bytes -= stored
 
-    def skip(self, reason: str, nbytes: int) -> None:
-        """Count a tensor kept untouched because it is not eligible (``reason``)."""
+    def skip(self, reason: Reason | str, nbytes: int, count: int = 1) -> None:
+        """Count ``count`` tensors (``nbytes`` in all) kept untouched: not eligible (``reason``)."""
         with self._lock:
-            self.skipped[reason] += 1
+            self.skipped[str(reason)] += count
             counters = self.tiers["kept"]
-            counters.tensors += 1
+            counters.tensors += count
             counters.bytes += nbytes
             counters.stored_bytes += nbytes
 
@@ -121,10 +235,20 @@ class StashStats:
             else:
                 self.wait_seconds += seconds
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: Decision | dict[str, Any]) -> None:
         """Append a row to the decision log (``stash(..., record=True)``)."""
         with self._lock:
-            self.decisions.append(row)
+            self._log.append(row)
+
+    @property
+    def decisions(self) -> list[dict[str, Any]]:
+        """The decision log, one row per saved tensor in pack order (``record=True``).
+
+        Each row has ``module``, ``op``, ``shape``, ``dtype``, ``bytes``,
+        ``tier``, ``stored_bytes`` and ``reason``; a fresh copy on each read.
+        """
+        with self._lock:
+            return [_row(entry) for entry in self._log]
 
     def count_dedupe(self) -> None:
         with self._lock:
@@ -135,7 +259,8 @@ class StashStats:
     @property
     def live_bytes(self) -> int:
         """Stored bytes held now, all tiers together."""
-        return sum(t.live_bytes for t in self.tiers.values())
+        hot = self.hot
+        return sum(t.live_bytes for t in self.tiers.values()) + hot.live - sum(hot.released.copy())
 
     @property
     def compression_ratio(self) -> float:
@@ -163,9 +288,10 @@ class StashStats:
                 "wait_seconds": self.wait_seconds,
                 "unpacks": self.unpacks,
                 "deduplicated": self.deduplicated,
+                "inside_recompute": self.inside_recompute,
                 "skipped": dict(self.skipped),
                 "fallbacks": dict(self.fallbacks),
-                "decisions": [dict(row) for row in self.decisions],
+                "decisions": [_row(entry) for entry in self._log],
             }
 
     # -- several sessions ------------------------------------------------------
@@ -201,10 +327,11 @@ class StashStats:
             self.wait_seconds += data["wait_seconds"]
             self.unpacks += data["unpacks"]
             self.deduplicated += data["deduplicated"]
+            self.inside_recompute += data.get("inside_recompute", 0)
             self.skipped.update(data["skipped"])
             self.fallbacks.update(data["fallbacks"])
             if decisions:
-                self.decisions.extend(dict(row) for row in data["decisions"])
+                self._log.extend(dict(row) for row in data["decisions"])
 
     @classmethod
     def combined(
@@ -272,6 +399,11 @@ class StashStats:
             f"unpack {data['unpack_seconds']:.3f}s  wait {data['wait_seconds']:.3f}s  "
             f"deduplicated {data['deduplicated']}"
         )
+        if data["inside_recompute"]:
+            lines.append(
+                f"opened inside a recomputed region {data['inside_recompute']} time(s): "
+                "tensors passed through untouched"
+            )
         for title, reasons in (
             ("kept untouched", data["skipped"]),
             ("fallbacks", data["fallbacks"]),
@@ -282,8 +414,7 @@ class StashStats:
         return "\n".join(lines)
 
     def _module_table(self) -> str:
-        with self._lock:
-            rows = [dict(row) for row in self.decisions]
+        rows = self.decisions
         if not rows:
             return "no decisions recorded: open the stash with record=True"
         per: dict[str, dict[str, int]] = {}
@@ -299,6 +430,13 @@ class StashStats:
             cells = " ".join(f"{human_bytes(sums[t]):>11}" for t in TIERS)
             lines.append(f"{name:<{width}} {sums['tensors']:>8} {cells}")
         return "\n".join(lines)
+
+
+_UNDER_MIN_BYTES = Why.UNDER_MIN_BYTES.value
+
+
+def _row(entry: Decision | dict[str, Any]) -> dict[str, Any]:
+    return entry.row() if isinstance(entry, Decision) else dict(entry)
 
 
 def human_bytes(n: float) -> str:

@@ -88,6 +88,11 @@ def grads_of(
     return collect_grads(model, leaves)
 
 
+def run_case(case: Any, ctx: contextlib.AbstractContextManager[Any] | None = None) -> GradMap:
+    """One step of a zoo case (``zoo.Case``) inside ``ctx``: its gradients."""
+    return grads_of(case.model, case.inputs, case.loss, ctx)
+
+
 @contextlib.contextmanager
 def within(*managers: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
     """Enter ``managers`` left to right (outermost first) as one context."""
@@ -199,6 +204,14 @@ POLICY_SPECS: tuple[PolicySpec, ...] = (
     PolicySpec("name-cpu", lambda _: "cpu", "kept"),
     PolicySpec("name-lz4", lambda _: "lz4", "host"),
     PolicySpec("name-disk", lambda _: "disk", "disk"),
+    # Selectors whose deferred path runs: tensors wait in the recent window and
+    # go to disk once newer ones push them out.
+    PolicySpec("auto-tight", lambda d: ts.Auto(device_budget=96 << 10, directory=d), "disk"),
+    PolicySpec(
+        "select-defer",
+        lambda d: ts.Select(lambda t, m: ts.Defer(ts.DiskSpill(directory=d), window=48 << 10)),
+        "disk",
+    ),
 )
 
 

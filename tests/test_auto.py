@@ -236,20 +236,23 @@ def test_auto_moves_device_tensors_by_host_memory_left(
 ) -> None:
     # A device tensor past the budget goes to the host as it is (the link is faster
     # than lz4), compressed under twice host_reserve, spilled under host_reserve.
-    from tensorstash.auto import Memory
     from tensorstash.policy import Context
     from tensorstash.stats import StashStats
 
-    auto = ts.Auto(device_budget=MiB, host_reserve=2 << 30, host_probe=fixed(available))
+    auto = ts.Auto(
+        device_budget=MiB,
+        host_reserve=2 << 30,
+        host_probe=fixed(available),
+        device_probe=fixed(8 << 30, 16 << 30),
+    )
     ctx = Context(StashStats())
-    state = auto.state(ctx)
+    ctx.stats.tiers["kept"].live_bytes = 2 * MiB  # held already: past the budget
     tensor = torch.empty(1 << 20, device="meta")  # 4 MiB "on a device", never allocated
-    held = {"kept": 2 * MiB, "host": 0, "disk": 0}
-    memory = Memory(device_free=8 << 30, device_total=16 << 30, host_available=available, held=held)
-    policy, why = state.decide(tensor, memory, ctx)
+    policy, why = auto.choose(tensor, ctx)
     policy = policy.policy if isinstance(policy, ts.Defer) else policy
-    assert why.startswith("device budget reached" if reason != "host memory low" else reason)
-    assert reason in why
+    text = why.text()
+    assert text.startswith("device budget reached" if reason != "host memory low" else reason)
+    assert reason in text
     assert type(policy) is type(expected)
     if isinstance(expected, ts.Chain):
         assert [type(s) for s in policy.stages] == [type(s) for s in expected.stages]

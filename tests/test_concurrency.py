@@ -17,10 +17,9 @@ from typing import Any
 import pytest
 import torch
 from checks import (
-    GradMap,
     assert_grads_equal,
-    grads_of,
     leak_check,
+    run_case,
     tier_counts,
     top_saved_tensors_hooks,
 )
@@ -32,10 +31,6 @@ import tensorstash as ts
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REPEATS = 3
-
-
-def run(case: Case, ctx: Any = None) -> GradMap:
-    return grads_of(case.model, case.inputs, case.loss, ctx)
 
 
 def in_threads(jobs: dict[str, Callable[[], None]], timeout: float = 120) -> None:
@@ -85,13 +80,13 @@ def solo_counts(directory: Path) -> dict[str, int]:
     counts = {}
     for name, factory in FACTORIES.items():
         session = ts.stash(policies(directory)[name], min_bytes=0)
-        run(factory(), session)
+        run_case(factory(), session)
         counts[name] = sum(tier_counts(session).values())
     return counts
 
 
 def test_sessions_on_four_threads_equal_plain_without_cross_talk(spill_dir: Path) -> None:
-    expected = {name: run(factory()) for name, factory in FACTORIES.items()}
+    expected = {name: run_case(factory()) for name, factory in FACTORIES.items()}
     alone = solo_counts(spill_dir)
     # Cases are built here: their factories seed and draw from the global RNG.
     cases = {name: factory() for name, factory in FACTORIES.items()}
@@ -101,7 +96,7 @@ def test_sessions_on_four_threads_equal_plain_without_cross_talk(spill_dir: Path
         def steps() -> None:
             for _ in range(REPEATS):
                 session = ts.stash(policies(spill_dir)[name], min_bytes=0)
-                assert_grads_equal(expected[name], run(cases[name], session))
+                assert_grads_equal(expected[name], run_case(cases[name], session))
                 sessions[name].append(session)
 
         return steps
@@ -117,7 +112,7 @@ def test_sessions_on_four_threads_equal_plain_without_cross_talk(spill_dir: Path
 
 
 def test_hooks_stay_on_the_thread_that_opened_the_session(spill_dir: Path) -> None:
-    expected = run(mlp())
+    expected = run_case(mlp())
     case = mlp()
     opened, finished = threading.Event(), threading.Event()
     seen: dict[str, Any] = {}
@@ -125,7 +120,7 @@ def test_hooks_stay_on_the_thread_that_opened_the_session(spill_dir: Path) -> No
     def other() -> None:
         opened.wait(30)
         seen["hooks"] = top_saved_tensors_hooks()
-        seen["grads"] = run(case)
+        seen["grads"] = run_case(case)
         finished.set()
 
     thread = threading.Thread(target=other)
@@ -176,17 +171,17 @@ WIDE_POLICIES = {
 @pytest.mark.parametrize("workers", [1, 4])
 @pytest.mark.parametrize("name", list(WIDE_POLICIES))
 def test_wide_model_shares_one_sessions_workers(spill_dir: Path, name: str, workers: int) -> None:
-    expected = run(wide_case())
+    expected = run_case(wide_case())
     case = wide_case()
     session = ts.stash(WIDE_POLICIES[name](spill_dir), min_bytes=0, workers=workers)
-    assert_grads_equal(expected, run(case, session))
+    assert_grads_equal(expected, run_case(case, session))
     packed = sum(tier_counts(session).values()) - sum(session.stats.skipped.values())
     assert packed >= 48, f"the wide model should pack many tensors:\n{session.stats.table()}"
     leak_check(session, directories=[spill_dir])
 
 
 def test_wide_model_sessions_on_two_threads_equal_plain(spill_dir: Path) -> None:
-    expected = run(wide_case())
+    expected = run_case(wide_case())
     cases = {"a": wide_case(), "b": wide_case()}
     chosen = {"a": ts.Chain(ts.Lz4(), ts.DiskSpill(spill_dir)), "b": ts.DiskSpill(spill_dir)}
     sessions: list[ts.Session] = []
@@ -195,7 +190,7 @@ def test_wide_model_sessions_on_two_threads_equal_plain(spill_dir: Path) -> None
         def steps() -> None:
             for _ in range(REPEATS):
                 session = ts.stash(chosen[name], min_bytes=0, workers=3)
-                assert_grads_equal(expected, run(cases[name], session))
+                assert_grads_equal(expected, run_case(cases[name], session))
                 sessions.append(session)
 
         return steps

@@ -20,8 +20,8 @@ from checks import (
     PolicySpec,
     assert_grads_equal,
     assert_went_to,
-    grads_of,
     leak_check,
+    run_case,
     tier_counts,
 )
 from torch import nn
@@ -52,10 +52,6 @@ def on_cuda(case: Case) -> Case:
     return Case(case.name, case.model.cuda(), inputs, case.loss)
 
 
-def run(case: Case, ctx: Any = None) -> dict[str, Any]:
-    return grads_of(case.model, case.inputs, case.loss, ctx)
-
-
 def device_tier(spec: PolicySpec) -> str:
     """Where a CUDA tensor ends: CpuOffload moves it to the host, the rest as on the CPU."""
     return "host" if spec.tier == "kept" and "cpu" in spec.id else spec.tier
@@ -63,9 +59,9 @@ def device_tier(spec: PolicySpec) -> str:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_cuda_zoo_grads_equal_plain(name: str, spec: PolicySpec, policy: Any) -> None:
-    expected = run(on_cuda(ZOO[name]()))
+    expected = run_case(on_cuda(ZOO[name]()))
     session = ts.stash(policy, min_bytes=0)
-    actual = run(on_cuda(ZOO[name]()), session)
+    actual = run_case(on_cuda(ZOO[name]()), session)
     assert_grads_equal(expected, actual)
     assert_went_to(session, device_tier(spec))
 
@@ -74,16 +70,16 @@ def test_cuda_zoo_grads_equal_plain(name: str, spec: PolicySpec, policy: Any) ->
 def test_cuda_zoo_releases_everything(name: str, policy: Any, spill_dirs: list[Path]) -> None:
     session = ts.stash(policy, min_bytes=0, verify=True)
     for _ in range(3):
-        run(on_cuda(ZOO[name]()), session)
+        run_case(on_cuda(ZOO[name]()), session)
     torch.cuda.synchronize()
     leak_check(session, directories=spill_dirs)
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_cuda_zoo_auto_with_a_small_budget(name: str) -> None:
-    expected = run(on_cuda(ZOO[name]()))
+    expected = run_case(on_cuda(ZOO[name]()))
     session = ts.stash(ts.Auto(device_budget=64 << 10), min_bytes=0, record=True)
-    actual = run(on_cuda(ZOO[name]()), session)
+    actual = run_case(on_cuda(ZOO[name]()), session)
     assert_grads_equal(expected, actual)
     largest = max(row["bytes"] for row in session.decisions)
     kept = session.stats.to_dict()["tiers"]["kept"]

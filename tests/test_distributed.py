@@ -88,7 +88,7 @@ def _guard(model: nn.Module, spill: Path, notes: list[str]) -> ts.Select:
                 notes.append(f"offered to a policy: {tuple(tensor.shape)}, storage of {name}")
         for module in _modules._stack():  # the modules running now
             for name, param in module.named_parameters(recurse=False):
-                if not _modules.is_state(param.untyped_storage()):
+                if not _modules.is_state(param):
                     notes.append(f"{type(module).__name__}.{name}: storage not recorded")
         return ts.DiskSpill(directory=spill), "guard"
 

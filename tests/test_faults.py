@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from checks import GradMap, assert_grads_equal, fresh_inputs, grads_of, leak_check
+from checks import assert_grads_equal, fresh_inputs, leak_check, run_case
 from torch import Tensor, nn
 from zoo import Case, mlp
 
@@ -36,10 +36,6 @@ MiB = 1 << 20
 
 def stash(policy: Any, **kwargs: Any) -> ts.Session:
     return ts.stash(policy, min_bytes=0, **kwargs)
-
-
-def run(case: Case, ctx: Any = None) -> GradMap:
-    return grads_of(case.model, case.inputs, case.loss, ctx)
 
 
 def spill_files(parent: Path) -> list[Path]:
@@ -83,13 +79,13 @@ def disk_full_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
 def test_disk_full_mid_step_falls_back_and_grads_equal_plain(
     spill_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    expected = run(mlp())
+    expected = run_case(mlp())
     case = mlp()
     full = FullDisk(spill_dir, good=1, monkeypatch=monkeypatch)
     session = stash(ts.DiskSpill(spill_dir))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        actual = run(case, session)
+        actual = run_case(case, session)
     assert_grads_equal(expected, actual)
     tiers = session.stats.to_dict()["tiers"]
     failed = full.created - 1
@@ -106,7 +102,7 @@ def test_disk_full_warns_once_per_session(spill_dir: Path, monkeypatch: pytest.M
     session = stash(ts.DiskSpill(spill_dir))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run(mlp(), session)
+        run_case(mlp(), session)
     assert session.stats.fallbacks["disk full"] >= 2
     assert len(disk_full_warnings(caught)) == 1
 
@@ -114,14 +110,14 @@ def test_disk_full_warns_once_per_session(spill_dir: Path, monkeypatch: pytest.M
 def test_disk_full_then_healed_next_step_spills_again(
     spill_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    expected = run(mlp())
+    expected = run_case(mlp())
     case = mlp()
     full = FullDisk(spill_dir, good=0, monkeypatch=monkeypatch)
     with pytest.warns(RuntimeWarning, match="is full"):
-        assert_grads_equal(expected, run(case, stash(ts.DiskSpill(spill_dir))))
+        assert_grads_equal(expected, run_case(case, stash(ts.DiskSpill(spill_dir))))
     full.heal()
     session = stash(ts.DiskSpill(spill_dir))
-    assert_grads_equal(expected, run(case, session))
+    assert_grads_equal(expected, run_case(case, session))
     assert session.stats.to_dict()["tiers"]["disk"]["tensors"] > 0
     assert not session.stats.fallbacks
     leak_check(session, directories=[spill_dir])
@@ -130,12 +126,12 @@ def test_disk_full_then_healed_next_step_spills_again(
 def test_disk_full_under_lz4_chain_keeps_compressed_bytes_in_memory(
     spill_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    expected = run(mlp())
+    expected = run_case(mlp())
     case = mlp()
     FullDisk(spill_dir, good=1, monkeypatch=monkeypatch)
     session = stash(ts.Chain(ts.Lz4(), ts.DiskSpill(spill_dir)))
     with pytest.warns(RuntimeWarning, match="is full"):
-        actual = run(case, session)
+        actual = run_case(case, session)
     assert_grads_equal(expected, actual)
     assert session.stats.fallbacks["disk full"] >= 1
     leak_check(session, directories=[spill_dir])
@@ -262,7 +258,7 @@ def test_damaged_spill_file_error_says_when_no_module_saved_it(spill_dir: Path) 
 
 
 def test_spill_directory_deleted_next_step_equal_plain(spill_dir: Path) -> None:
-    expected = run(mlp())
+    expected = run_case(mlp())
     case = mlp()
     session, loss = forward_then_written(ts.DiskSpill(spill_dir), spill_dir)
     delete_directory(spill_dir)
@@ -270,7 +266,7 @@ def test_spill_directory_deleted_next_step_equal_plain(spill_dir: Path) -> None:
         loss.backward()
     del loss
     after = stash(ts.DiskSpill(spill_dir))
-    assert_grads_equal(expected, run(case, after))
+    assert_grads_equal(expected, run_case(case, after))
     assert after.stats.to_dict()["tiers"]["disk"]["tensors"] > 0
     leak_check(session, after, directories=[spill_dir])
 
@@ -361,17 +357,17 @@ def test_exception_mid_backward_leaves_nothing_behind(
 def test_exception_mid_backward_next_step_equal_plain(
     policy: Any, error: type[BaseException]
 ) -> None:
-    expected = run(mlp())
+    expected = run_case(mlp())
     case = mlp()
     backward_fails(case, policy, error)
-    assert_grads_equal(expected, run(case, stash(policy)))
+    assert_grads_equal(expected, run_case(case, stash(policy)))
 
 
 @pytest.mark.parametrize("error", ERRORS)
 def test_backward_hook_raising_leaves_nothing_behind(
     policy: Any, spill_dirs: list[Path], error: type[BaseException]
 ) -> None:
-    expected = run(mlp())
+    expected = run_case(mlp())
     case = mlp()
 
     def hook(module: nn.Module, grad_in: Any, grad_out: Any) -> None:
@@ -386,7 +382,7 @@ def test_backward_hook_raising_leaves_nothing_behind(
     handle.remove()
     del loss
     leak_check(session, directories=spill_dirs)
-    assert_grads_equal(expected, run(case, stash(policy)))
+    assert_grads_equal(expected, run_case(case, stash(policy)))
 
 
 class FailingRule:
@@ -409,21 +405,21 @@ class FailingRule:
 def test_exception_inside_pack_leaves_nothing_behind(
     spill_dir: Path, error: type[BaseException]
 ) -> None:
-    expected = run(mlp())
+    expected = run_case(mlp())
     case = mlp()
     session = stash(ts.Select(FailingRule(spill_dir, good=2, error=error)))
     with pytest.raises(error, match="fails halfway"), session:
         case.step()
     assert session.stats.to_dict()["tiers"]["disk"]["tensors"] == 2
     leak_check(session, directories=[spill_dir])
-    assert_grads_equal(expected, run(case, stash(ts.DiskSpill(spill_dir))))
+    assert_grads_equal(expected, run_case(case, stash(ts.DiskSpill(spill_dir))))
 
 
 @pytest.mark.parametrize("error", ERRORS)
 def test_forward_hook_raising_mid_model_leaves_nothing_behind(
     policy: Any, spill_dirs: list[Path], error: type[BaseException]
 ) -> None:
-    expected = run(mlp())
+    expected = run_case(mlp())
     case = mlp()
 
     def hook(module: nn.Module, args: Any) -> None:
@@ -435,7 +431,7 @@ def test_forward_hook_raising_mid_model_leaves_nothing_behind(
         case.step()
     handle.remove()
     leak_check(session, directories=spill_dirs)
-    assert_grads_equal(expected, run(case, stash(policy)))
+    assert_grads_equal(expected, run_case(case, stash(policy)))
 
 
 # -- a process killed mid-step ------------------------------------------------------------

@@ -102,19 +102,26 @@ def test_plan_keeps_a_site_whose_reload_stalled_and_offloads_another_instead() -
     }
     profile.start_step()  # the step ends: its records become profile.last
     plan = profile.plan(budget=200, recent=50)
-    assert plan[sites[0]].startswith("keep: its reload stalled")
-    assert plan[sites[3]].startswith("keep: backward needs it first")
-    assert plan[sites[1]].startswith("offload") and plan[sites[2]].startswith("offload")
+    assert plan[sites[0]] == (True, "keep: its reload stalled backward last step")
+    assert plan[sites[3]] == (True, "keep: backward needs it first (saved last)")
+    assert not plan[sites[1]][0] and not plan[sites[2]][0]
 
 
 def test_plan_never_keeps_more_than_the_budget() -> None:
     profile = ts.Profile()
     profile.last = {("m", None, (1,), "f", i): SiteRecord(i, 100) for i in range(10)}
     plan = profile.plan(budget=350)
-    assert sum(1 for reason in plan.values() if reason.startswith("keep")) == 3
+    assert sum(1 for keep, _ in plan.values() if keep) == 3
 
 
-def test_lz4_reuses_the_encoding_chosen_for_a_site_last_step() -> None:
+def test_lz4_reuses_the_encoding_a_profile_carries_from_the_last_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tensorstash import _codec
+
+    trials: list[str] = []
+    choose = _codec.choose
+    monkeypatch.setattr(_codec, "choose", lambda *a: trials.append(choose(*a)) or trials[-1])
     torch.manual_seed(0)
     x = torch.randn(512, 1024, requires_grad=True)
     profile = ts.Profile()
@@ -122,9 +129,11 @@ def test_lz4_reuses_the_encoding_chosen_for_a_site_last_step() -> None:
         with ts.stash("lz4", min_bytes=0, profile=profile):
             y = torch.relu(x * 2)
         y.sum().backward()
-    methods = {record.method for record in profile.current.values()}
-    assert methods == {"zeros"}
-    assert profile.method(next(iter(profile.last))) == "zeros"
+    assert trials == ["zeros"]  # the second step ran no trial
+    assert set(profile.codec_methods.values()) == {"zeros"}
+    restored = ts.Profile()
+    restored.load_state_dict(profile.state_dict())
+    assert restored.codec_methods == profile.codec_methods
 
 
 def test_stash_rejects_a_profile_of_the_wrong_type() -> None:

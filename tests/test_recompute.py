@@ -109,14 +109,97 @@ def test_recompute_wraps_a_function() -> None:
     assert torch.equal(expected, x.grad)
 
 
-def test_stash_inside_a_recomputed_region_raises() -> None:
-    def region(x: torch.Tensor) -> torch.Tensor:
-        with ts.stash("lz4"):
-            return x.sin()
+class Stashing(nn.Module):
+    """A block that stashes its own forward, as a library model might."""
 
-    x = torch.randn(8, requires_grad=True)
-    with pytest.raises(RuntimeError, match="inside a recomputed"):
-        ts.recompute(region)(x)
+    def __init__(self, width: int = 128) -> None:
+        super().__init__()
+        self.block = Block(width)
+        self.sessions: list[ts.Session] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with ts.stash(ts.DiskSpill(), min_bytes=0) as session:
+            self.sessions.append(session)  # before a recomputation stops early in it
+            y, _ = self.block(x, scale=0.5)
+        return y
+
+
+class StashingNet(nn.Module):
+    def __init__(self, depth: int = 2, wrap: object = None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Stashing() for _ in range(depth))
+        self.wrap = wrap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = self.wrap(layer, x) if self.wrap is not None else layer(x)  # type: ignore[operator]
+        return x.square().mean()
+
+
+def stashing(wrap: object = None) -> StashingNet:
+    torch.manual_seed(0)
+    return StashingNet(wrap=wrap)
+
+
+def _non_reentrant(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)  # type: ignore[no-any-return]
+
+
+def _reentrant(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True)  # type: ignore[no-any-return]
+
+
+def _sessions(model: StashingNet) -> list[ts.Session]:
+    return [session for layer in model.layers for session in layer.sessions]  # type: ignore[union-attr]
+
+
+def test_stash_inside_ts_recompute_passes_through_in_forward_and_recompute() -> None:
+    expected = grads(stashing())
+    model = stashing()
+    for layer in model.layers:
+        ts.recompute(layer)
+    assert_equal(expected, grads(model))
+    sessions = _sessions(model)
+    assert len(sessions) == 4  # each layer: once in forward, once while backward recomputes it
+    for session in sessions:
+        stats = session.stats.to_dict()
+        assert stats["inside_recompute"] == 1
+        assert all(tier["tensors"] == 0 for tier in stats["tiers"].values())  # nothing pushed
+
+
+def test_stash_inside_non_reentrant_checkpoint_passes_through() -> None:
+    expected = grads(stashing())
+    model = stashing(_non_reentrant)
+    assert_equal(expected, grads(model))
+    sessions = _sessions(model)
+    assert len(sessions) == 4
+    assert all(session.stats.inside_recompute == 1 for session in sessions)
+    assert "opened inside a recomputed region" in sessions[0].stats.table()
+
+
+def test_stash_inside_reentrant_checkpoint_packs_the_recomputation() -> None:
+    # Reentrant checkpointing runs the region under no_grad in forward (nothing is
+    # saved) and again with grad in backward, where the stash works as anywhere.
+    expected = grads(stashing())
+    model = stashing(_reentrant)
+    assert_equal(expected, grads(model))
+    for layer in model.layers:
+        forward, recomputed = layer.sessions  # type: ignore[union-attr]
+        assert forward.stats.inside_recompute == recomputed.stats.inside_recompute == 0
+        assert sum(tier.tensors for tier in forward.stats.tiers.values()) == 0
+        assert recomputed.stats.to_dict()["tiers"]["disk"]["tensors"] > 0
+
+
+def test_stash_inside_recompute_inside_an_outer_stash_passes_through() -> None:
+    expected = grads(stashing())
+    model = stashing()
+    for layer in model.layers:
+        ts.recompute(layer)
+    outer = ts.stash(ts.DiskSpill(), min_bytes=0)
+    assert_equal(expected, grads(model, outer))
+    assert outer.stats.inside_recompute == 0
+    assert outer.stats.to_dict()["tiers"]["disk"]["tensors"] > 0  # the layers' inputs
+    assert all(session.stats.inside_recompute == 1 for session in _sessions(model))
 
 
 def test_recompute_rejects_what_is_not_callable() -> None:
