@@ -13,6 +13,7 @@ from tensorstash.auto import Auto, Memory, Select
 from tensorstash.compress import Lz4
 from tensorstash.cpu import CpuOffload
 from tensorstash.disk import DiskSpill, SpillError
+from tensorstash.plan import Plan
 from tensorstash.policy import Chain, Context, Defer, Keep, Packed, Policy
 from tensorstash.profile import Profile
 from tensorstash.recompute import recompute, recompute_modules, unrecompute
@@ -30,6 +31,7 @@ __all__ = [
     "Lz4",
     "Memory",
     "Packed",
+    "Plan",
     "Policy",
     "Profile",
     "Select",

@@ -1,7 +1,6 @@
 """What modules run inside a stash: their paths, parameters and buffers.
 
-Global module hooks are registered while any session is open. They do two
-things:
+Global module hooks are registered while any session is open. They:
 
 1. Keep this thread's stack of running modules, for the decision log. A module
    first seen at the top of the stack is a root: its submodules are named by
@@ -14,6 +13,8 @@ things:
    nothing (dynamo cannot trace weak references, and would bake them into the graph
    if it could). A compiled region then counts as its outermost module, and its
    parameters are recognised as leaves that require grad.
+4. Tell observers (a profile measuring a step) of each module call on this
+   thread: entered once the module is on the stack, left before it leaves.
 
 Global forward pre-hooks run before a module's own pre-hooks, and wrappers
 swap tensors in from their own: FSDP2 (``fully_shard``) registers the
@@ -28,19 +29,18 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
-from torch.utils.hooks import RemovableHandle
 
 _COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
 _local = threading.local()
 _names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _users = 0
-_handles: list[RemovableHandle] = []
+_keys: tuple[int, int] | None = None  # our hooks' keys in torch's global hook tables
 # Parameters and buffers by the address of their data: a weak reference to
 # their storage (the entry goes with it) and "parameter" or "buffer". A saved
 # tensor is looked up by its address (no storage object is made for it), and
@@ -67,14 +67,24 @@ def _add(tensor: torch.Tensor, kind: str) -> None:
     _state[key] = (weakref.ref(storage, gone), kind)
 
 
-class _Thread:
-    """This thread's running modules, and how many of them :func:`state_kind` has read."""
+class Observer(Protocol):
+    """Told of each module call on the thread it watches (a profile's step: NOTE [ Profile ])."""
 
-    __slots__ = ("reread", "stack")
+    def entered(self, module: nn.Module, args: tuple[Any, ...]) -> None: ...
+
+    def left(self, module: nn.Module) -> None: ...
+
+
+class _Thread:
+    """This thread's running modules, how many of them :func:`state_kind` has read,
+    and the observers told of module calls (rule 4 of the NOTE above)."""
+
+    __slots__ = ("observers", "reread", "stack")
 
     def __init__(self) -> None:
         self.stack: list[nn.Module] = []
         self.reread = 0
+        self.observers: list[Observer] = []
 
 
 def _thread() -> _Thread:
@@ -106,13 +116,28 @@ def _enter(module: nn.Module, args: Any) -> None:
     stack = _stack()
     if module not in _names:
         if stack:
-            _names[module] = f"{current()}.<{type(module).__name__}>"
+            _name_tree(stack[0])  # modules set on the model since it was named
         else:
-            root = getattr(module, "_orig_mod", module)  # torch.compile's wrapper
-            for name, child in module.named_modules():
-                name = name.removeprefix("_orig_mod").removeprefix(".")
-                _names.setdefault(child, name or type(root).__name__)
+            _name_tree(module)
+        if module not in _names:
+            _names[module] = f"{current()}.<{type(module).__name__}>"
     stack.append(module)
+    observers = _thread().observers
+    if observers:
+        for observer in tuple(observers):  # an observer may leave while told
+            observer.entered(module, args)
+
+
+def _name_tree(root: nn.Module) -> None:
+    """Name ``root``'s modules by their paths in it (rule 1); the root by its class.
+
+    torch.compile's wrapper is transparent: a compiled model's modules, and a
+    compiled block's, keep the paths they have in the model.
+    """
+    model = getattr(root, "_orig_mod", root)
+    for name, child in root.named_modules():
+        path = ".".join(part for part in name.split(".") if part != "_orig_mod")
+        _names.setdefault(child, path or type(model).__name__)
 
 
 def _leave(module: nn.Module, args: Any, output: Any) -> None:
@@ -121,8 +146,21 @@ def _leave(module: nn.Module, args: Any, output: Any) -> None:
     thread = _thread()
     stack = thread.stack
     if stack and stack[-1] is module:
+        for observer in tuple(thread.observers):
+            observer.left(module)
         stack.pop()
         thread.reread = min(thread.reread, len(stack))
+
+
+def observe(observer: Observer) -> None:
+    """Tell ``observer`` of the module calls on this thread until :func:`unobserve`."""
+    _thread().observers.append(observer)
+
+
+def unobserve(observer: Observer) -> None:
+    observers = _thread().observers
+    if observer in observers:
+        observers.remove(observer)
 
 
 def forget_stack() -> None:
@@ -152,18 +190,20 @@ def state_kind(tensor: torch.Tensor, address: int) -> str | None:
     call.
     """
     found = _state.get(address)
-    if found is None:
-        thread = _thread()
-        stack = thread.stack
-        if thread.reread >= len(stack):
-            return None
-        for module in stack[thread.reread :]:
-            _remember(module)
-        thread.reread = len(stack)
-        found = _state.get(address)
-        if found is None:
-            return None
-    return found[1] if found[0]() is tensor.untyped_storage() else None
+    if found is not None and found[0]() is tensor.untyped_storage():
+        return found[1]
+    # A miss, or an entry for another storage at this address (FSDP2 frees an
+    # unsharded parameter's memory with resize_(0), its storage object alive,
+    # and the address is handed out again): read the running modules again.
+    thread = _thread()
+    stack = thread.stack
+    if thread.reread >= len(stack):
+        return None
+    for module in stack[thread.reread :]:
+        _remember(module)
+    thread.reread = len(stack)
+    found = _state.get(address)
+    return found[1] if found is not None and found[0]() is tensor.untyped_storage() else None
 
 
 def current() -> str:
@@ -173,23 +213,37 @@ def current() -> str:
 
 
 def track() -> None:
-    """Start following modules (one call per open session; see :func:`untrack`)."""
-    global _users
+    """Start following modules (one call per open session; see :func:`untrack`).
+
+    The hooks go back into torch's global tables under the keys they had the
+    first time: ``torch.compile`` guards on those keys, and new ones each
+    session would make a compiled model compile again every step.
+    """
+    global _users, _keys
     with _lock:
         _users += 1
-        if _users == 1:
-            # torch warns on each call of a compiled module while global hooks
-            # exist, because they fire once more for its wrapper; ours allow it.
-            warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
-            _handles.append(module_hooks.register_module_forward_pre_hook(_enter))
-            _handles.append(module_hooks.register_module_forward_hook(_leave, always_call=True))
+        if _users > 1:
+            return
+        # torch warns on each call of a compiled module while global hooks
+        # exist, because they fire once more for its wrapper; ours allow it.
+        warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
+        if _keys is None:
+            pre = module_hooks.register_module_forward_pre_hook(_enter)
+            post = module_hooks.register_module_forward_hook(_leave, always_call=True)
+            _keys = (pre.id, post.id)
+            return
+        pre_key, post_key = _keys
+        module_hooks._global_forward_pre_hooks[pre_key] = _enter
+        module_hooks._global_forward_hooks[post_key] = _leave
+        module_hooks._global_forward_hooks_always_called[post_key] = True
 
 
 def untrack() -> None:
     global _users
     with _lock:
         _users -= 1
-        if _users == 0:
-            for handle in _handles:
-                handle.remove()
-            _handles.clear()
+        if _users == 0 and _keys is not None:
+            pre_key, post_key = _keys
+            module_hooks._global_forward_pre_hooks.pop(pre_key, None)
+            module_hooks._global_forward_hooks.pop(post_key, None)
+            module_hooks._global_forward_hooks_always_called.pop(post_key, None)

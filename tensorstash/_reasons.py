@@ -35,6 +35,7 @@ class Why(enum.Enum):
     TO_DISK = "device budget reached; the device is host RAM: to disk"
     HOST_TIGHT = "device budget reached; host memory tight: compressed"
     HOST_LOW = "host memory low"
+    LEARNING = "a profile's first step: kept, to time the model with nothing moved"
     PLANNED = "{}"
     PLANNED_HOST_LOW = "{}; host memory low"
     OVER_PLAN = "{}, but the budget is full"

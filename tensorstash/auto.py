@@ -19,22 +19,25 @@ from __future__ import annotations
 
 import re
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from tensorstash import _reasons
+from tensorstash import _modules, _rates, _reasons
 from tensorstash._names import resolve
 from tensorstash._reasons import Reason, Why, reason
 from tensorstash.compress import Lz4
 from tensorstash.cpu import CpuOffload
 from tensorstash.disk import DiskSpill, check_directory
+from tensorstash.plan import Plan, Rates, make_plan
 from tensorstash.policy import Chain, Context, Defer, Keep, Policy
-from tensorstash.stats import Tier
+from tensorstash.recompute import unwrap_for_plan, warm_up, wrap_for_plan
+from tensorstash.stats import Tier, human_bytes
 
 _HOST = torch.device("cpu")
 
@@ -198,26 +201,35 @@ def _resolve_budget(budget: int | float, total: int) -> int:
 
 @dataclass(frozen=True)
 class Auto:
-    """The default selector: keep what fits, move the rest outwards.
+    """The default selector: a memory budget at the least step time.
+
+    With a :class:`~tensorstash.Profile` given to the session, from the second
+    step on ``Auto`` follows a plan (NOTE [ Plan ] in plan.py): the modules it
+    recomputes for the step (run under non-reentrant checkpointing from the
+    model's first call in the session, restored when it exits) and where each
+    call site's tensors go, chosen from what the last steps measured, the
+    cheapest saving per byte first. ``session.plan`` shows it, with its
+    predicted step time and real peak. A run that fits keeps everything.
 
     Rules, in order, for each eligible tensor (the functions of ``_AutoState``
     named after them):
 
-    1. ``planned``: from the second step of a session given a
-       :class:`~tensorstash.Profile`, follow the plan made from the last step
-       (see NOTE [ Profile ]): keep sites whose reload stalled backward, then
-       the sites saved last, while they fit in the budget; offload those saved
-       earliest.
+    1. ``planned``: the plan's tier for this call site; a site the plan keeps
+       stays while the held bytes fit the budget, and goes out past it (rule 5).
     2. ``host_low``: a CPU tensor whose device is host RAM, which this tensor
        would bring under ``host_reserve``: compress and spill it to disk ("host
        memory low"), even under the budget.
-    3. ``under_budget``: while the tensors this session keeps on their device
+    3. ``learning``: in the first step of a profile, a CPU tensor stays, so the
+       step times the model with nothing moved (moving bytes on the cores the
+       step runs on would blur every time the plan is made from); rule 2 still
+       spills if host RAM runs low. The budget holds from the second step.
+    4. ``under_budget``: while the tensors this session holds on their device
        stay within three quarters of ``device_budget``: keep it ("under device
        budget").
-    4. ``outwards``: past that, move it out, deferred through the recent window:
+    5. ``outwards``: past that, move it out, deferred through the recent window:
        it waits, kept, until the tensors saved after it reach the last quarter
        of the budget (NOTE [ Recent window ] in stash.py), so the tensors
-       backward needs first stay and kept bytes stay within the budget plus
+       backward needs first stay and held bytes stay within the budget plus
        one tensor. Where it goes:
 
        - host RAM available, less this tensor, under ``host_reserve``:
@@ -230,39 +242,74 @@ class Auto:
          link to the host moves bytes an order of magnitude faster than lz4
          compresses them.
 
+    The held bytes are those on the device: for a CPU tensor, every byte the
+    session holds in host RAM (kept, compressed, or waiting to be written).
+
     Args:
-        device_budget: bytes kept on the device per session: an int, a size
-            such as "2GiB", or a fraction of the device's total memory. Default:
-            half of the device memory free when the first tensor is saved.
+        device_budget: eligible saved bytes held on the device per session: an
+            int, a size such as "2GiB", or a fraction of the device's total
+            memory. Default: half of the device memory free when the model is
+            first called (or the first tensor saved).
         host_reserve: host RAM to leave free before spilling to disk (int, size
             string or fraction of host RAM). Default "2GiB".
         directory: where DiskSpill makes its private directory.
+        recompute: whether the plan may recompute modules (False: offload only).
+        never_recompute: modules the plan must not recompute: paths (a module
+            and those inside it) or class names.
+        always_recompute: modules the plan recomputes whatever the budget.
         device_probe, host_probe, clock: injected probes (see :class:`Select`).
 
     Example:
-        >>> with tensorstash.stash(tensorstash.Auto(device_budget="4GiB")) as session:
-        ...     loss = model(x).sum()
+        >>> profile, auto = tensorstash.Profile(), tensorstash.Auto(device_budget="4GiB")
+        >>> for batch in loader:
+        ...     with tensorstash.stash(auto, profile=profile) as session:
+        ...         loss = model(batch)
+        ...     loss.backward()
+        >>> print(session.plan.table())
     """
 
     device_budget: int | float | str | None = None
     host_reserve: int | float | str = "2GiB"
     directory: str | None = None
+    recompute: bool = True
+    never_recompute: tuple[str, ...] = ()
+    always_recompute: tuple[str, ...] = ()
     device_probe: Probe = device_memory
     host_probe: Probe = host_memory
     clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
+        api = "tensorstash.Auto"
         if self.device_budget is not None:
-            parse_bytes(self.device_budget, "tensorstash.Auto", "device_budget")
-        parse_bytes(self.host_reserve, "tensorstash.Auto", "host_reserve")
-        check_directory(self.directory, "tensorstash.Auto")
-        check_probes(self, "tensorstash.Auto")
+            parse_bytes(self.device_budget, api, "device_budget")
+        parse_bytes(self.host_reserve, api, "host_reserve")
+        check_directory(self.directory, api)
+        check_probes(self, api)
+        if not isinstance(self.recompute, bool):
+            raise TypeError(f"{api}: recompute must be True or False; got {self.recompute!r}")
+        for name in ("never_recompute", "always_recompute"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, (value,))
+            elif not (isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value)):
+                raise TypeError(
+                    f"{api}: {name} must be module paths or class names, such as "
+                    f"('lm_head', 'LayerNorm'); got {value!r}"
+                )
+            else:
+                object.__setattr__(self, name, tuple(value))
 
     def state(self, ctx: Context) -> _AutoState:
         """This session's state: its probes, its budget (fixed when first needed), its plan."""
         state: _AutoState | None = ctx.resources.get(id(self))  # the hot path: no lock
         if state is None:
             state = ctx.resource(id(self), lambda: _AutoState(self, ctx))
+        return state
+
+    def begin(self, ctx: Context) -> _AutoState:
+        """A session opens: plan at the model's first call (see ``_AutoState.entered``)."""
+        state = self.state(ctx)
+        state.begin()
         return state
 
     def choose(
@@ -278,20 +325,24 @@ class Auto:
         return Select.unpack(self, packed, ctx)  # type: ignore[arg-type]
 
 
+CPU_CONTENTION = 3.0
+"""How much more a byte moved on a busy CPU costs the step than a probe of it took."""
+
 RECENT_SHARE = 4
-"""Auto keeps the tensors saved last in the last 1/RECENT_SHARE of its budget (rule 4)."""
+"""Auto keeps the tensors saved last in the last 1/RECENT_SHARE of its budget (rule 5)."""
 
 Choice = tuple[Policy | Defer, Reason]
 """A policy (or a deferral) and why."""
 
 
 class _AutoState:
-    """Per-session state of an :class:`Auto`: its probes, its resolved limits, this step's plan."""
+    """Per-session state of an :class:`Auto`: probes, resolved limits, this step's plan."""
 
     def __init__(self, auto: Auto, ctx: Context) -> None:
         self.auto = auto
         self.ctx = ctx
-        self.kept = ctx.stats.tiers["kept"]
+        tiers = ctx.stats.tiers
+        self.kept, self.host = tiers["kept"], tiers["host"]
         self.hot = ctx.stats.hot  # kept bytes the session counts without a lock
         self.select = Select(_unused_rule, auto.device_probe, auto.host_probe, clock=auto.clock)
         self.keep = Keep()
@@ -301,40 +352,160 @@ class _AutoState:
         self.budget = -1
         self.window = 0
         self.reserve = 0
-        self.plan: dict[Any, tuple[bool, str]] | None = None
+        self.plan: Plan | None = None
+        self.planned_for = False  # whether this step's plan was made
+        self.recomputed: list[tuple[str, nn.Module]] = []
+        self.cache_off: Any = None  # a model config whose use_cache was turned off
+
+    # The session's step ------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Plan when the model is first called (a module observer until then).
+
+        Called before the profile starts timing the step: checkpointing's
+        one-time set-up (``warm_up``) happens here, outside the step.
+        """
+        profile = self.ctx.profile
+        if profile is not None and torch.is_grad_enabled():
+            if self.auto.recompute and profile.steps:
+                warm_up()
+            _modules.observe(self)
+
+    def entered(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """The first module called: plan for this step and recompute what the plan says."""
+        _modules.unobserve(self)
+        if self.planned_for or not module.training:
+            return
+        self.planned_for = True
+        profile = self.ctx.profile
+        profile.saw_root(module)
+        if self.auto.recompute:
+            self._without_cache(module)
+        if not profile.steps:
+            return  # the first step measures
+        if self.budget < 0:
+            device = next((a.device for a in args if isinstance(a, Tensor)), None)
+            if device is None:
+                device = next((p.device for p in module.parameters()), _HOST)
+            self._resolve_limits(device)
+        self.plan = self._plan(module)
+        if self.plan is not None:
+            self._recompute(self.plan.recompute)
+
+    def left(self, module: nn.Module) -> None:
+        return None
+
+    def end(self) -> tuple[str, ...]:
+        """The session exits: give every module back; what the step recomputed."""
+        _modules.unobserve(self)
+        done = tuple(path for path, _ in self.recomputed)
+        for _, module in self.recomputed:
+            unwrap_for_plan(module)
+        self.recomputed = []
+        if self.cache_off is not None:
+            self.cache_off.use_cache = True
+            self.cache_off = None
+        self.planned_for = False
+        return done
+
+    def _plan(self, root: nn.Module) -> Plan | None:
+        profile = self.ctx.profile
+        auto = self.auto
+        device = "cuda" if self.device_type == "cuda" else "cpu"
+        key = (self.budget, device, auto.recompute, auto.never_recompute, auto.always_recompute)
+        plan = profile.plan_for(key, lambda: make_plan(
+            profile,
+            self.budget,
+            device=device,
+            recompute=auto.recompute,
+            never=lambda path: _named(profile.module(path), path, auto.never_recompute),
+            always=_paths(profile, auto.always_recompute),
+            rates=self._rates(root),
+        ))  # fmt: skip
+        if plan is not None and not plan.fits and profile.warn_unreachable(self.budget):
+            warnings.warn(
+                f"tensorstash.Auto: device_budget {human_bytes(self.budget)} cannot be held: "
+                f"with every module that is safe to recompute recomputed and every site "
+                f"moved, a step holds {human_bytes(plan.reachable_bytes)}. Pass "
+                f"device_budget >= {plan.reachable_bytes} (or allow more modules to be "
+                "recomputed); until then Auto holds what it can. (Shown once per budget.)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return plan
+
+    def _rates(self, root: nn.Module) -> Rates:
+        """The speeds of moving bytes, probed now (see _rates.py)."""
+        if self.device_type == "cuda":
+            device = next((p.device for p in root.parameters()), torch.device("cuda"))
+            return Rates(link=_rates.link_rate(device))
+        # On the CPU the writer and the compressor run on the cores the step runs
+        # on, and take the interpreter from it between their calls: a probe alone
+        # says too little. Until a step measured it (Plan rule 6), a byte costs
+        # CPU_CONTENTION times what the probe took.
+        disk, lz4 = _rates.disk_rate(self.auto.directory), _rates.compress_rate()
+        return Rates(disk=disk / CPU_CONTENTION, compress=lz4 / CPU_CONTENTION)
+
+    def _recompute(self, paths: tuple[str, ...]) -> None:
+        profile = self.ctx.profile
+        for path in paths:
+            module = profile.module(path)
+            if module is not None and wrap_for_plan(module):
+                self.recomputed.append((path, module))
+
+    def _without_cache(self, root: nn.Module) -> None:
+        """Run a Hugging Face model's training forward without its key-value cache.
+
+        A recomputed region keeps its inputs, and a cache passed from layer to
+        layer would keep every layer's keys and values alive through it; Hugging
+        Face's own gradient checkpointing turns the cache off for this reason.
+        Turned off in every training step of a plan, the first included, so the
+        steps it measures are the steps it runs.
+        """
+        config = getattr(root, "config", None)
+        if config is not None and getattr(config, "use_cache", None) is True:
+            config.use_cache = False
+            self.cache_off = config
+
+    # The rules -----------------------------------------------------------------
 
     def decide(self, tensor: Tensor, site: Any = None) -> Choice:
         """The rules of :class:`Auto`, in order."""
         if self.budget < 0:
-            self._resolve_limits(tensor)
+            self._resolve_limits(tensor.device)
         nbytes = tensor.nbytes
         held = self.hot.live + self.kept.live_bytes + nbytes
+        if tensor.is_cpu:
+            held += self.host.live_bytes  # host RAM is this tensor's device
         return (
             self.planned(tensor, nbytes, held, site)
             or self.host_low(tensor, nbytes)
+            or self.learning(tensor)
             or self.under_budget(held)
             or self.outwards(tensor, nbytes)
         )
 
-    # The rules -----------------------------------------------------------------
-
     def planned(self, tensor: Tensor, nbytes: int, held: int, site: Any) -> Choice | None:
-        """Rule 1: the plan of the profile for this call site, from step two."""
-        profile = self.ctx.profile
-        if site is None or profile is None or not profile.steps:
+        """Rule 1: the plan's tier for this call site."""
+        plan = self.plan
+        if plan is None or site is None:
             return None
-        if self.plan is None:
-            self.plan = profile.plan(self.budget, recent=self.window)
-        planned = self.plan.get(site)
-        if planned is None:
-            return None
-        keep, text = planned
-        if keep and held <= self.budget:
-            return self.keep, reason(Why.PLANNED, text)
+        tier = plan.tier(site)
+        if tier == "keep":
+            if site not in self.ctx.profile.last:
+                return None  # a site the plan has not seen: the other rules
+            if held <= self.budget:
+                return self.keep, _PLANNED_KEEP
+            policy, why = self._outwards(tensor, nbytes)
+            return policy, _OVER_PLAN
         policy, why = self._outwards(tensor, nbytes)
         if why.why is Why.HOST_LOW:
-            return policy, reason(Why.PLANNED_HOST_LOW, text)
-        return policy, reason(Why.OVER_PLAN if keep else Why.PLANNED, text)
+            return policy, reason(Why.PLANNED_HOST_LOW, f"plan: {tier}")
+        if tier == "host" and not tensor.is_cpu:
+            return self.offload, _PLANNED[tier]
+        if tier == "compressed":
+            return self.compress, _PLANNED[tier]
+        return self.spill, _PLANNED["disk"]
 
     def host_low(self, tensor: Tensor, nbytes: int) -> Choice | None:
         """Rule 2: a CPU tensor would bring host RAM under ``host_reserve``."""
@@ -342,21 +513,28 @@ class _AutoState:
             return self.spill, _HOST_LOW
         return None
 
+    def learning(self, tensor: Tensor) -> Choice | None:
+        """Rule 3: a CPU tensor in a profile's first step stays (see the class docstring)."""
+        profile = self.ctx.profile
+        if profile is not None and tensor.is_cpu and profile.learning:
+            return self.keep, _LEARNING
+        return None
+
     def under_budget(self, held: int) -> Choice | None:
-        """Rule 3: the kept bytes stay within the budget less the recent window."""
+        """Rule 4: the held bytes stay within the budget less the recent window."""
         if held <= self.budget - self.window:
             return self.keep, _reasons.UNDER_BUDGET
         return None
 
     def outwards(self, tensor: Tensor, nbytes: int) -> Choice:
-        """Rule 4: out of the device, through the recent window."""
+        """Rule 5: out of the device, through the recent window."""
         policy, why = self._outwards(tensor, nbytes)
         return (Defer(policy, self.window) if self.window else policy), why
 
     # Helpers -----------------------------------------------------------------
 
     def _outwards(self, tensor: Tensor, nbytes: int) -> tuple[Policy, Reason]:
-        """Where a tensor goes past the budget (the list of rule 4)."""
+        """Where a tensor goes past the budget (the list of rule 5)."""
         available = self._host_available() - nbytes
         if available < self.reserve:
             return self.spill, _HOST_LOW
@@ -369,9 +547,10 @@ class _AutoState:
     def _host_available(self) -> int:
         return self.select._read("host", _HOST, self.auto.host_probe)[0]
 
-    def _resolve_limits(self, tensor: Tensor) -> None:
+    def _resolve_limits(self, device: torch.device) -> None:
         api = "tensorstash.Auto"
-        free, total = self.select._read("device", tensor.device, self.auto.device_probe)
+        self.device_type = device.type
+        free, total = self.select._read("device", device, self.auto.device_probe)
         budget = self.auto.device_budget
         parsed = None if budget is None else parse_bytes(budget, api, "device_budget")
         self.budget = free // 2 if parsed is None else _resolve_budget(parsed, total)
@@ -379,11 +558,33 @@ class _AutoState:
         reserve = parse_bytes(self.auto.host_reserve, api, "host_reserve")
         self.reserve = _resolve_budget(reserve, self.auto.host_probe(_HOST)[1])
 
+    device_type = "cpu"
+
+
+def _named(module: nn.Module | None, path: str, names: tuple[str, ...]) -> bool:
+    """Whether ``path`` (or its class) is one of ``names``: a path covers the modules in it."""
+    if any(path == name or path.startswith(name + ".") for name in names):
+        return True
+    return module is not None and type(module).__name__ in names
+
+
+def _paths(profile: Any, names: tuple[str, ...]) -> list[str]:
+    """The measured module paths ``names`` stand for (paths, or class names)."""
+    found = []
+    for path in profile.modules:
+        if _named(profile.module(path), path, names):
+            found.append(path)
+    return found
+
 
 _HOST_LOW = Reason(Why.HOST_LOW)
+_LEARNING = Reason(Why.LEARNING)
 _TO_DISK = Reason(Why.TO_DISK)
 _HOST_TIGHT = Reason(Why.HOST_TIGHT)
 _BUDGET_REACHED = Reason(Why.BUDGET_REACHED)
+_PLANNED_KEEP = reason(Why.PLANNED, "plan: keep")
+_OVER_PLAN = reason(Why.OVER_PLAN, "plan: keep")
+_PLANNED = {tier: reason(Why.PLANNED, f"plan: {tier}") for tier in ("host", "compressed", "disk")}
 
 
 def _unused_rule(tensor: Tensor, memory: Memory) -> Policy:

@@ -1,37 +1,62 @@
-"""Profile: what a session learns per call site, carried from one step to the next.
+"""Profile: what a session measures each step, carried from one step to the next.
 
 # NOTE [ Profile ]
 1. A call site is where a tensor is saved: the module path, the operation that
-   produced the tensor, its shape and dtype, and which occurrence of those it
-   is within the step (a module called twice has two sites).
-2. A step runs from a session's enter to the next enter of a session with the
-   same profile; the sites recorded in it (bytes, pack order, seconds backward
-   spent unpacking each) become ``last`` when the next step starts.
-3. From the second step a selector can plan with ``last``: backward needs the
-   tensors saved last first, so offloading the earliest ones leaves the most
-   time to bring them back; a site whose unpack stalled backward is kept.
-   See ``Auto`` in auto.py.
-4. Times come from an injected clock, so tests can make a site stall.
+   produced the tensor, and which occurrence of that pair it is in the step (a
+   module called twice has two sites). Shapes are not part of it: a batch of
+   another size or length keeps its sites, and their bytes scale.
+2. A step runs from a session's enter, with grad enabled, to the end of the
+   backward that uses it. The profile measures in it:
+   - per site: bytes, pack order, whether the bytes left the device, and how
+     long backward waited to unpack them;
+   - per module (module steps, rule 6): calls, forward seconds (its
+     submodules included), bytes of the tensors it is given, and whether it is
+     safe to recompute: no buffer or input changed in place by it, not inside
+     or around a region the user already checkpoints;
+   - the step: forward and backward seconds, the eligible bytes held when
+     forward ends, and the real peak memory growth (NOTE [ Real memory ]).
+3. What saves nothing (``no_grad``) and evaluation forwards (the first module
+   called is not in training) are not steps: they change nothing here.
+4. The sites inside a module that the plan recomputes are not saved in its
+   steps (its region's own hooks keep them): they keep what an earlier step
+   measured.
+5. A plan is made from the medians of the last few steps (``history``), so it
+   changes only when a cost moves beyond its noise (see NOTE [ Plan ]).
+6. Module timings cost a few microseconds per module call: they are taken in
+   the first ``measure_steps`` steps, again every ``remeasure_every`` steps,
+   and whenever a site's bytes change (another batch shape).
+7. Times come from an injected clock; on CUDA, module and step times are
+   taken with events, read once the step's backward has ended.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections import Counter
+import weakref
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-STATE_VERSION = 1
+from tensorstash import _modules
+from tensorstash._memory import PeakMeter
+from tensorstash.recompute import in_plan_region, is_checkpointed
+
+STATE_VERSION = 2
 """The format of :meth:`Profile.state_dict`."""
 
-_RECORD_FIELDS = ("order", "nbytes", "unpack_s", "offloaded")
+HISTORY = 5
+"""Steps whose measurements a plan is made from (their medians)."""
 
-Site = tuple[str, str | None, tuple[int, ...], str, int]
-"""``(module, op, shape, dtype, occurrence)``: rule 1 of NOTE [ Profile ]."""
+Site = tuple[str, str | None, int]
+"""``(module, op, occurrence)``: rule 1 of NOTE [ Profile ]."""
+
+ORDER = 1 << 16
+"""Sites a module call may save before the next call's orders begin (see SiteRecord.order)."""
 
 
 @dataclass(slots=True)
@@ -39,7 +64,9 @@ class SiteRecord:
     """One call site in one step.
 
     Attributes:
-        order: its position among the step's eligible packs.
+        order: where it is saved in the step: the module calls before it, then
+            the packs in its module call (``ORDER`` of them per call); it does
+            not change when other sites are recomputed and not saved.
         nbytes: the tensor's size.
         unpack_s: seconds backward spent in its unpacks (waiting included).
         offloaded: whether its bytes left the device.
@@ -51,18 +78,98 @@ class SiteRecord:
     offloaded: bool = False
 
 
+@dataclass(slots=True)
+class ModuleRecord:
+    """One module in one step (rule 2).
+
+    Attributes:
+        calls: how many times it ran.
+        forward_s: seconds its calls took, submodules included.
+        input_bytes: bytes of the tensors given to it that recompute would keep.
+        first_order: the order a tensor saved first inside it would have.
+        unsafe: why it must not be recomputed, or None.
+        kind: its class name.
+    """
+
+    calls: int = 0
+    forward_s: float = 0.0
+    input_bytes: int = 0
+    first_order: int = 0
+    unsafe: str | None = None
+    kind: str = ""
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One step (rule 2).
+
+    Attributes:
+        forward_s, backward_s: seconds of forward and of backward.
+        held_bytes: eligible bytes the stash held when forward ended.
+        peak_bytes: real peak memory growth over the step, or None.
+        recomputed: the modules the plan recomputed in it.
+        policy_s: seconds the step spent in policies and waiting for them.
+        moved: original bytes moved off the device, per tier ("host", "disk").
+    """
+
+    forward_s: float
+    backward_s: float
+    held_bytes: int
+    peak_bytes: int | None
+    recomputed: tuple[str, ...] = ()
+    policy_s: float = 0.0
+    moved: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+class _CpuTimer:
+    """Marks times with the profile's clock."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+
+    def mark(self) -> Any:
+        return self.clock()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return float(end - start)
+
+
+class _CudaTimer:
+    """Marks times with events on the current stream (rule 7): read once they complete."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def mark(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1000.0
+
+
 @dataclass(eq=False)
 class Profile:
-    """Per-call-site measurements a session updates each step (NOTE [ Profile ]).
+    """Per-step measurements a session updates, carried from step to step (NOTE [ Profile ]).
 
     Pass the same profile to the session of every step:
-    ``stash("auto", profile=profile)``. ``Auto`` uses it from the second step
-    on to keep what backward needs at once or what stalled it, and to offload
-    the tensors saved earliest instead.
+    ``stash("auto", profile=profile)``. ``Auto`` plans from it from the second
+    step on (NOTE [ Plan ] in plan.py): which modules to recompute and where
+    each call site's tensors go, within its budget, at the least step time.
 
     Args:
         clock: seconds, monotonic; injected for tests.
         stall_s: an unpack taking longer than this stalled backward.
+        measure_steps: steps whose module timings are always taken (rule 6).
+        remeasure_every: then every this many steps; 0 never again.
+        measure_memory: take the real peak memory of each step (it resets
+            the process's or device's peak; NOTE [ Real memory ] in _memory.py).
 
     Example:
         >>> profile = tensorstash.Profile()
@@ -74,65 +181,188 @@ class Profile:
 
     clock: Callable[[], float] = time.perf_counter
     stall_s: float = 0.002
+    measure_steps: int = 3
+    remeasure_every: int = 25
+    measure_memory: bool = True
     steps: int = 0
     last: dict[Site, SiteRecord] = field(default_factory=dict)
     current: dict[Site, SiteRecord] = field(default_factory=dict)
     stalls: set[Site] = field(default_factory=set)
+    modules: dict[str, ModuleRecord] = field(default_factory=dict)
+    history: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    module_history: deque[dict[str, ModuleRecord]] = field(
+        default_factory=lambda: deque(maxlen=HISTORY)
+    )
     codec_methods: dict[tuple[Any, ...], str] = field(default_factory=dict)
     _seen: Counter[tuple[Any, ...]] = field(default_factory=Counter)
+    _step: _Step | None = None
+    _objects: dict[str, weakref.ref[nn.Module]] = field(default_factory=dict)
+    _root: weakref.ref[nn.Module] | None = None
+    _root_name: str | None = None
+    _remeasure: bool = False
+    _revision: int = 0
+    _plans: dict[Any, tuple[int, Any]] = field(default_factory=dict)
+    _warned: set[int] = field(default_factory=set)
 
-    def start_step(self) -> None:
-        """Rule 2: the sites recorded so far become ``last``.
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickles (a spawned process's copy): the measurements, not the live links.
 
-        ``stalls`` keeps the sites whose unpack stalled backward the last time
-        they were offloaded: a site kept since is still one that stalls.
+        The step in progress, the module objects and the plans made are left
+        out; the copy finds the modules again by their paths.
         """
-        if self.current:
-            self.last, self.current = self.current, {}
-            self.steps += 1
-            for site, record in self.last.items():
-                if record.offloaded and record.unpack_s > self.stall_s:
-                    self.stalls.add(site)
-                elif record.offloaded:
-                    self.stalls.discard(site)
-        self._seen.clear()
+        state = dict(self.__dict__)
+        state.update(_step=None, _objects={}, _root=None, _plans={})
+        return state
 
-    # -- checkpoints -------------------------------------------------------------
+    # -- a step ---------------------------------------------------------------------
+
+    def begin(self, ctx: Any, min_bytes: int) -> _Step | None:
+        """A session opens: start a step (rules 2 and 3), or None under ``no_grad``.
+
+        The step before, if its backward never came, is dropped.
+        """
+        self._step = None
+        if not torch.is_grad_enabled():
+            return None
+        self._seen.clear()
+        self.current = {}
+        step = _Step(self, ctx, min_bytes, measure=self._measures())
+        self._step = step
+        return step
+
+    def _measures(self) -> bool:
+        if self.steps < self.measure_steps or not self.modules or self._remeasure:
+            self._remeasure = False
+            return True
+        every = self.remeasure_every
+        return bool(every) and self.steps % every == 0
+
+    def _finished(self, step: _Step, record: StepRecord | None) -> None:
+        """A step's backward ended (or it was not a step: ``record`` is None)."""
+        if self._step is step:
+            self._step = None
+        if record is None or not self.current:
+            return
+        resized = any(
+            site in self.last and self.last[site].nbytes != rec.nbytes
+            for site, rec in self.current.items()
+        )
+        carried = {
+            site: rec
+            for site, rec in self.last.items()
+            if site not in self.current and _inside(site[0], record.recomputed)
+        }  # rule 4
+        self.last = {**carried, **self.current}
+        self.current = {}
+        self.steps += 1
+        for site, rec in self.last.items():
+            if rec.offloaded and rec.unpack_s > self.stall_s:
+                self.stalls.add(site)
+            elif rec.offloaded:
+                self.stalls.discard(site)
+        self.history.append(record)
+        if step.modules:
+            measured = {path: rec for path, rec in step.modules.items() if rec.calls}
+            self.module_history.append(measured)
+            self.modules = _median_modules(self.module_history)
+        if resized:
+            self._remeasure = True  # rule 6: measure the new shapes
+        if resized or step.measure:
+            self._revision += 1  # the plan is made again (rule 5)
+
+    # -- what the session records ---------------------------------------------------
+
+    def site(self, module: str, tensor: Tensor) -> Site:
+        """The call site of a tensor being saved now (rule 1)."""
+        grad_fn = tensor.grad_fn
+        op = type(grad_fn).__name__ if grad_fn is not None else None
+        key = (module, op)
+        self._seen[key] += 1
+        return (module, op, self._seen[key])
+
+    def record_pack(self, site: Site, nbytes: int) -> SiteRecord:
+        step = self._step
+        if step is None:
+            order = len(self.current)
+        else:
+            order = step.calls * ORDER + step.packs
+            step.packs += 1
+        record = SiteRecord(order, nbytes)
+        self.current[site] = record
+        return record
+
+    def stalled(self, site: Site) -> bool:
+        """Whether unpacking this site stalled backward the last time it was offloaded."""
+        return site in self.stalls
+
+    # -- modules -------------------------------------------------------------------------
+
+    def module(self, path: str) -> nn.Module | None:
+        """The module object at ``path``, as last seen, or found in the root by its path."""
+        ref = self._objects.get(path)
+        found = ref() if ref is not None else None
+        if found is not None:
+            return found
+        root = self._root() if self._root is not None else None
+        if root is None:
+            return None
+        for name, child in root.named_modules():
+            name = name.removeprefix("_orig_mod").removeprefix(".")
+            if name == path:
+                self._objects[path] = weakref.ref(child)
+                return child
+        return None
+
+    @property
+    def learning(self) -> bool:
+        """Whether no step was measured yet: the step now measures the model as it is."""
+        return not self.history
+
+    @property
+    def root(self) -> nn.Module | None:
+        """The first module called in the last step (the model), while it lives."""
+        return self._root() if self._root is not None else None
+
+    def saw_root(self, module: nn.Module) -> None:
+        self._root = weakref.ref(module)
+        self._root_name = _modules.current()
+
+    # -- checkpoints -------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """What this profile learned, as lists, strings and numbers (for a checkpoint).
 
-        The sites of the last finished step (``current`` when a step ran since
-        the last :meth:`start_step`, else ``last``), ``steps`` counting it, and
-        which sites stalled. :meth:`load_state_dict` restores it.
+        :meth:`load_state_dict` restores it; the modules are found again by
+        their paths in the first model called after.
         """
-        sites, steps = (self.current, self.steps + 1) if self.current else (self.last, self.steps)
-        stalls = set(self.stalls)
-        for site, record in sites.items():  # as start_step would count that step
-            if record.offloaded:
-                stalls.discard(site)
-                if record.unpack_s > self.stall_s:
-                    stalls.add(site)
-        rows = [
+        sites = [
             {
                 "module": module,
                 "op": op,
-                "shape": list(shape),
-                "dtype": dtype,
                 "occurrence": occurrence,
-                "stalled": (module, op, shape, dtype, occurrence) in stalls,
-                **{name: getattr(record, name) for name in _RECORD_FIELDS},
+                "order": record.order,
+                "nbytes": record.nbytes,
+                "unpack_s": record.unpack_s,
+                "offloaded": record.offloaded,
+                "stalled": (module, op, occurrence) in self.stalls,
             }
-            for (module, op, shape, dtype, occurrence), record in sites.items()
+            for (module, op, occurrence), record in self.last.items()
         ]
         methods = [
             [op, str(dtype).removeprefix("torch."), list(shape), list(stride), method]
             for (op, dtype, shape, stride), method in self.codec_methods.items()
         ]
-        return {"version": STATE_VERSION, "steps": steps, "sites": rows, "codec_methods": methods}
+        return {
+            "version": STATE_VERSION,
+            "steps": self.steps,
+            "sites": sites,
+            "modules": [{"path": path, **_module_row(rec)} for path, rec in self.modules.items()],
+            "history": [_step_row(rec) for rec in self.history],
+            "codec_methods": methods,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Make ``state`` (from :meth:`state_dict`) this profile's last step.
+        """Make ``state`` (from :meth:`state_dict`) what this profile learned.
 
         Raises:
             ValueError: the state is not one :meth:`state_dict` of this version wrote.
@@ -147,64 +377,291 @@ class Profile:
         last: dict[Site, SiteRecord] = {}
         stalls: set[Site] = set()
         for row in state["sites"]:
-            site = (row["module"], row["op"], tuple(row["shape"]), row["dtype"], row["occurrence"])
-            last[site] = SiteRecord(**{name: row[name] for name in _RECORD_FIELDS})
-            if row.get("stalled"):
+            site = (row["module"], row["op"], int(row["occurrence"]))
+            last[site] = SiteRecord(
+                int(row["order"]), int(row["nbytes"]), row["unpack_s"], row["offloaded"]
+            )
+            if row["stalled"]:
                 stalls.add(site)
         self.steps, self.last, self.current, self.stalls = int(state["steps"]), last, {}, stalls
+        self.modules = {row["path"]: _module_record(row) for row in state["modules"]}
+        self.module_history = deque([dict(self.modules)], maxlen=HISTORY)
+        self.history = deque((_step_record(row) for row in state["history"]), maxlen=HISTORY)
         self.codec_methods = {
             (op, getattr(torch, dtype), tuple(shape), tuple(stride)): method
-            for op, dtype, shape, stride, method in state.get("codec_methods", [])
+            for op, dtype, shape, stride, method in state["codec_methods"]
         }
+        self._objects, self._root = {}, None
 
-    def site(self, module: str, tensor: Tensor) -> Site:
-        """The call site of a tensor being saved now (rule 1)."""
-        grad_fn = tensor.grad_fn
-        op = type(grad_fn).__name__ if grad_fn is not None else None
-        key = (module, op, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
-        self._seen[key] += 1
-        return (*key, self._seen[key])
+    # -- for the plan ----------------------------------------------------------------
 
-    def record_pack(self, site: Site, nbytes: int) -> SiteRecord:
-        record = SiteRecord(len(self.current), nbytes)
-        self.current[site] = record
-        return record
-
-    def stalled(self, site: Site) -> bool:
-        """Whether unpacking this site stalled backward the last time it was offloaded."""
-        return site in self.stalls
-
-    def plan(self, budget: int, recent: int = 0) -> dict[Site, tuple[bool, str]]:
-        """From ``last``: which sites to keep and which to offload (rule 3).
-
-        Kept, while the kept bytes fit in ``budget``: first the sites saved
-        last, until they hold ``recent`` bytes (backward needs them at once;
-        Auto keeps them in its recent window in a first step too); then the
-        sites whose reload stalled; then the other sites from the end of the
-        step backwards. Each group goes latest first. The rest, saved
-        earliest, are offloaded.
-
-        Returns:
-            ``{site: (keep, why)}``: whether to keep the site, and why, in words.
-        """
-        plan: dict[Site, tuple[bool, str]] = {}
-        kept = 0
-        latest_first = sorted(self.last.items(), key=lambda item: -item[1].order)
-        for site, record in latest_first:
-            if kept >= recent or kept + record.nbytes > budget:
-                break
-            plan[site] = (True, "keep: backward needs it first (saved last)")
-            kept += record.nbytes
-        for site, record in latest_first:
-            if site not in plan and self.stalled(site) and kept + record.nbytes <= budget:
-                plan[site] = (True, "keep: its reload stalled backward last step")
-                kept += record.nbytes
-        for site, record in latest_first:
-            if site in plan:
-                continue
-            if kept + record.nbytes <= budget:
-                plan[site] = (True, "keep: backward needs it soon (saved late)")
-                kept += record.nbytes
-            else:
-                plan[site] = (False, "offload: saved early, time to bring it back")
+    def plan_for(self, key: Any, make: Callable[[], Any]) -> Any:
+        """The plan for ``key`` (a budget and options), made again only once the
+        measurements changed: after a step that timed modules or saw other sizes (rule 5)."""
+        found = self._plans.get(key)
+        if found is not None and found[0] == self._revision:
+            return found[1]
+        plan = make()
+        self._plans[key] = (self._revision, plan)
         return plan
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` spent now (one-time set-up) out of the step's forward time."""
+        if self._step is not None and seconds:
+            self._step.excluded += seconds
+
+    def warn_unreachable(self, budget: int) -> bool:
+        """True the first time a budget turns out unreachable (one warning per budget)."""
+        if budget in self._warned:
+            return False
+        self._warned.add(budget)
+        return True
+
+    def measured(self) -> StepRecord | None:
+        """The medians of the last steps with the plan of the last step (rule 5)."""
+        if not self.history:
+            return None
+        recomputed = self.history[-1].recomputed
+        same = [rec for rec in self.history if rec.recomputed == recomputed]
+        peaks = [rec.peak_bytes for rec in same if rec.peak_bytes is not None]
+        return StepRecord(
+            forward_s=statistics.median(rec.forward_s for rec in same),
+            backward_s=statistics.median(rec.backward_s for rec in same),
+            held_bytes=int(statistics.median(rec.held_bytes for rec in same)),
+            peak_bytes=int(statistics.median(peaks)) if peaks else None,
+            recomputed=recomputed,
+            policy_s=statistics.median(rec.policy_s for rec in same),
+            moved=same[-1].moved,
+        )
+
+
+def _inside(path: str, modules: tuple[str, ...]) -> bool:
+    return any(path == m or path.startswith(m + ".") for m in modules)
+
+
+def _median_modules(steps: deque[dict[str, ModuleRecord]]) -> dict[str, ModuleRecord]:
+    """Each module's median over the steps that measured it (rule 5); unsafe once, unsafe."""
+    paths = {path for step in steps for path in step}
+    merged: dict[str, ModuleRecord] = {}
+    for path in paths:
+        records = [step[path] for step in steps if path in step]
+        latest = records[-1]
+        merged[path] = ModuleRecord(
+            calls=latest.calls,
+            forward_s=statistics.median(rec.forward_s for rec in records),
+            input_bytes=latest.input_bytes,
+            first_order=latest.first_order,
+            unsafe=next((rec.unsafe for rec in records if rec.unsafe), None),
+            kind=latest.kind,
+        )
+    return merged
+
+
+def _module_row(record: ModuleRecord) -> dict[str, Any]:
+    return {
+        "calls": record.calls,
+        "forward_s": record.forward_s,
+        "input_bytes": record.input_bytes,
+        "first_order": record.first_order,
+        "unsafe": record.unsafe,
+        "kind": record.kind,
+    }
+
+
+def _module_record(row: dict[str, Any]) -> ModuleRecord:
+    return ModuleRecord(
+        int(row["calls"]),
+        float(row["forward_s"]),
+        int(row["input_bytes"]),
+        int(row["first_order"]),
+        row["unsafe"],
+        str(row["kind"]),
+    )
+
+
+def _step_row(record: StepRecord) -> dict[str, Any]:
+    return {
+        "forward_s": record.forward_s,
+        "backward_s": record.backward_s,
+        "held_bytes": record.held_bytes,
+        "peak_bytes": record.peak_bytes,
+        "recomputed": list(record.recomputed),
+        "policy_s": record.policy_s,
+        "moved": dict(record.moved),
+    }
+
+
+def _step_record(row: dict[str, Any]) -> StepRecord:
+    return StepRecord(
+        float(row["forward_s"]),
+        float(row["backward_s"]),
+        int(row["held_bytes"]),
+        None if row["peak_bytes"] is None else int(row["peak_bytes"]),
+        tuple(row["recomputed"]),
+        float(row["policy_s"]),
+        {str(tier): int(n) for tier, n in row["moved"].items()},
+    )
+
+
+# -- measuring one step ----------------------------------------------------------------------
+
+
+class _Call:
+    """A module call in progress: when it began and what it may change in place."""
+
+    __slots__ = ("buffers", "inputs", "module", "path", "start")
+
+    def __init__(self, module: nn.Module, path: str, start: Any) -> None:
+        self.module = module
+        self.path = path
+        self.start = start
+        self.buffers: list[tuple[Tensor, int]] = []
+        self.inputs: list[tuple[Tensor, int]] = []
+
+
+class _Step:
+    """One step being measured (rule 2): a module observer, then the backward's end.
+
+    The session calls :meth:`end_forward` when it exits and :meth:`backward_started`
+    at its first unpack; the end of that backward (an autograd callback)
+    closes the step.
+    """
+
+    def __init__(self, profile: Profile, ctx: Any, min_bytes: int, *, measure: bool) -> None:
+        self.profile = profile
+        self.ctx = ctx
+        self.min_bytes = min_bytes
+        self.measure = measure
+        self.modules: dict[str, ModuleRecord] = {}
+        self.recomputed: tuple[str, ...] = ()
+        self.training: bool | None = None
+        self.calls = 0  # module calls so far, and packs since the last one (site orders)
+        self.packs = 0
+        self._calls: list[_Call] = []
+        self._timer: _CpuTimer | _CudaTimer = _CpuTimer(profile.clock)
+        self._meter: PeakMeter | None = None
+        self._begun = self._timer.mark()
+        self._forward_end: Any = None
+        self._held = 0
+        self._backward = False
+        self._backward_start: Any = None
+        self._timings: list[tuple[str, Any, Any]] = []
+        self.policy_s = 0.0
+        self.excluded = 0.0
+        if profile.measure_memory:
+            self._meter = PeakMeter(None)
+            self._meter.start()
+        _modules.observe(self)
+
+    def use_device(self, device: torch.device) -> None:
+        """The step runs on ``device`` (known at the first module call)."""
+        if device.type == "cuda" and isinstance(self._timer, _CpuTimer):
+            self._timer = _CudaTimer(device)
+            self._begun = self._timer.mark()
+            if self._meter is not None:
+                self._meter = PeakMeter(device)
+                self._meter.start()
+
+    # Module observer (rule 2) -----------------------------------------------------------
+
+    def entered(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        profile = self.profile
+        self.calls += 1
+        self.packs = 0
+        path = _modules.current()
+        if len(_modules._stack()) == 1 and self.training is None:  # a root: the model
+            self.training = module.training
+            profile.saw_root(module)
+            device = _device_of(module, args)
+            if device is not None:
+                self.use_device(device)
+        if not self.measure or not self.training:
+            return
+        profile._objects[path] = weakref.ref(module)
+        call = _Call(module, path, self._timer.mark())
+        call.buffers = [(b, b._version) for b in module._buffers.values() if b is not None]
+        call.inputs = [(t, t._version) for t in args if isinstance(t, Tensor)]
+        record = self.modules.get(path)
+        if record is None:
+            record = self.modules[path] = ModuleRecord(
+                first_order=self.calls * ORDER, kind=type(module).__name__
+            )
+            record.input_bytes = sum(
+                t.nbytes
+                for t, _ in call.inputs
+                if t.grad_fn is not None and t.nbytes >= self.min_bytes
+            )
+            record.unsafe = _already_checkpointed(module)
+        record.calls += 1
+        self._calls.append(call)
+
+    def left(self, module: nn.Module) -> None:
+        if not self._calls or self._calls[-1].module is not module:
+            return
+        call = self._calls.pop()
+        self._timings.append((call.path, call.start, self._timer.mark()))
+        record = self.modules[call.path]
+        if record.unsafe is None:
+            if any(b._version != v for b, v in call.buffers):
+                record.unsafe = "changes its buffers in forward (as BatchNorm in training)"
+            elif any(t._version != v for t, v in call.inputs):
+                record.unsafe = "changes its input in place"
+
+    # The session's calls -----------------------------------------------------------------
+
+    def end_forward(self, held_bytes: int, recomputed: tuple[str, ...]) -> None:
+        """The session exited: forward ended with ``held_bytes`` eligible bytes held."""
+        _modules.unobserve(self)
+        self._forward_end = self._timer.mark()
+        self._held = held_bytes
+        self.recomputed = recomputed
+        if self.training is False or not self.profile.current:
+            self.profile._finished(self, None)  # rule 3: not a step
+
+    def backward_started(self) -> None:
+        """The first unpack of the step: close the step when this backward ends."""
+        if self._backward or self._forward_end is None:
+            return
+        self._backward = True
+        self._backward_start = self._timer.mark()
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        end = self._timer.mark()
+        peak = self._meter.stop() if self._meter is not None else None
+        stats = self.ctx.stats
+        self.policy_s = stats.pack_seconds + stats.unpack_seconds + stats.wait_seconds
+        moved = {tier: stats.tiers[tier].bytes for tier in ("host", "disk")}
+        timer = self._timer
+        for path, start, stop in self._timings:
+            self.modules[path].forward_s += timer.seconds(start, stop)
+        record = StepRecord(
+            forward_s=timer.seconds(self._begun, self._forward_end) - self.excluded,
+            backward_s=timer.seconds(self._forward_end, end),
+            held_bytes=self._held,
+            peak_bytes=peak,
+            recomputed=self.recomputed,
+            policy_s=self.policy_s,
+            moved={tier: nbytes for tier, nbytes in moved.items() if nbytes},
+        )
+        self.profile._finished(self, record)
+
+
+def _already_checkpointed(module: nn.Module) -> str | None:
+    """Why ``module`` must not be recomputed again: the user already checkpoints it or around it."""
+    if is_checkpointed(module):
+        return "already recomputed (tensorstash.recompute or Hugging Face gradient checkpointing)"
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    checkpointed = getattr(top[0], "__module__", None) == "torch.utils.checkpoint" if top else False
+    if checkpointed and not in_plan_region():
+        return "runs inside a region already checkpointed"
+    return None
+
+
+def _device_of(module: nn.Module, args: tuple[Any, ...]) -> torch.device | None:
+    for value in args:
+        if isinstance(value, Tensor):
+            return value.device
+    for parameter in module.parameters():
+        return parameter.device
+    return None

@@ -18,15 +18,29 @@
    with it, outside any hooks, while backward recomputes it: a stash there
    packs the recomputation like any other forward.
 4. A module keeps its identity and its ``state_dict`` keys: its ``forward`` is
-   wrapped on the instance, and unwrapped by :func:`unrecompute`.
+   wrapped on the instance, and unwrapped by :func:`unrecompute`, which also
+   undoes :func:`recompute_modules` on a whole model.
+5. A module is never checkpointed twice: one that Hugging Face's gradient
+   checkpointing already runs under checkpoint (``gradient_checkpointing`` set
+   on it, in training) runs as it is, whichever was switched on first.
+6. ``Auto`` recomputes the modules of its plan for one session (see NOTE
+   [ Plan ] in plan.py): :func:`wrap_for_plan` at the start of a step,
+   :func:`unwrap_for_plan` at its end. The wrapper of a module is made once and
+   reused, so a compiled model sees the same ``forward`` every step and is not
+   recompiled. It checkpoints only in training with grad enabled: evaluation
+   and ``no_grad`` forwards run the module as it is.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -34,6 +48,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 M = TypeVar("M", bound=nn.Module)
 
 _WRAPPED = "_tensorstash_forward"
+"""The instance attribute holding a module's own forward while :func:`recompute` wraps it."""
+
+_local = threading.local()
+_plan_wrappers: weakref.WeakKeyDictionary[nn.Module, Callable[..., Any]] = (
+    weakref.WeakKeyDictionary()
+)
+_plan_saved: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+_NOTHING = object()
 
 
 def _checkpointed(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -42,6 +64,26 @@ def _checkpointed(function: Callable[..., Any]) -> Callable[..., Any]:
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
     return run
+
+
+def _hf_checkpointed(module: nn.Module) -> bool:
+    """Rule 5: Hugging Face's gradient checkpointing runs this module under checkpoint."""
+    return bool(getattr(module, "gradient_checkpointing", False)) and module.training
+
+
+def _module_checkpointed(module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if _hf_checkpointed(module):
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether the user already recomputes ``module`` (``recompute``, or Hugging Face's)."""
+    return _WRAPPED in vars(module) or bool(getattr(module, "gradient_checkpointing", False))
 
 
 def recompute(module_or_fn: M | F) -> M | F:
@@ -70,7 +112,7 @@ def recompute(module_or_fn: M | F) -> M | F:
         if _WRAPPED not in vars(module_or_fn):
             original = module_or_fn.forward
             setattr(module_or_fn, _WRAPPED, original)
-            module_or_fn.forward = _checkpointed(original)
+            module_or_fn.forward = _module_checkpointed(module_or_fn, original)
         return module_or_fn
     if not callable(module_or_fn):
         raise TypeError(
@@ -81,10 +123,14 @@ def recompute(module_or_fn: M | F) -> M | F:
 
 
 def unrecompute(module: M) -> M:
-    """Undo :func:`recompute` on a module (its activations are saved again)."""
-    original = vars(module).pop(_WRAPPED, None)
-    if original is not None:
-        del module.forward
+    """Undo :func:`recompute` on a module and on every submodule of it.
+
+    So ``unrecompute(model)`` also undoes ``recompute_modules(model, ...)``.
+    """
+    for child in module.modules():
+        original = vars(child).pop(_WRAPPED, None)
+        if original is not None:
+            del child.forward
     return module
 
 
@@ -107,6 +153,7 @@ def recompute_modules(
     Example:
         >>> tensorstash.recompute_modules(model, GPTBlock)
         ['blocks.0', 'blocks.1', ...]
+        >>> tensorstash.unrecompute(model)  # all of them again
     """
     named = dict(model.named_modules())
     if isinstance(which, type):
@@ -131,3 +178,95 @@ def recompute_modules(
         recompute(named[name])
         wrapped.append(name)
     return wrapped
+
+
+# -- the plan's recompute, for one session (rule 6) --------------------------------------
+
+
+_warm = False
+
+
+def warm_up() -> float:
+    """Run checkpointing once in this process; the seconds it took (0 after the first time).
+
+    The first ``torch.utils.checkpoint`` call of a process imports what it
+    needs (over a second on a small CPU): a plan pays that before it times
+    a recomputed module, not inside one.
+    """
+    global _warm
+    if _warm:
+        return 0.0
+    _warm = True
+    start = time.perf_counter()
+    x = torch.zeros(1, requires_grad=True)
+    checkpoint(torch.mul, x, 2.0, use_reentrant=False).sum().backward()
+    return time.perf_counter() - start
+
+
+def in_plan_region() -> bool:
+    """Whether this thread runs inside a region that a plan recomputes."""
+    return bool(getattr(_local, "depth", 0))
+
+
+def saving_plan_inputs() -> bool:
+    """Whether the tensors saved now are the inputs a planned region keeps.
+
+    They are saved by checkpointing before the region runs, through the
+    session's hooks; a profile does not count them as the model's own sites.
+    """
+    return bool(getattr(_local, "inputs", False))
+
+
+def _plan_wrapper(module: nn.Module) -> Callable[..., Any]:
+    found = _plan_wrappers.get(module)
+    if found is not None:
+        return found
+    forward = module.forward  # the bound method, or a forward another wrapper set
+
+    def enter_region(*args: Any, **kwargs: Any) -> Any:
+        _local.inputs = False
+        _local.depth = getattr(_local, "depth", 0) + 1
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            _local.depth -= 1
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not (module.training and torch.is_grad_enabled()) or _hf_checkpointed(module):
+            return forward(*args, **kwargs)
+        _local.inputs = True  # until the region starts: see saving_plan_inputs
+        try:
+            return checkpoint(enter_region, *args, use_reentrant=False, **kwargs)
+        finally:
+            _local.inputs = False
+
+    _plan_wrappers[module] = run
+    return run
+
+
+def wrap_for_plan(module: nn.Module) -> bool:
+    """Recompute ``module`` until :func:`unwrap_for_plan` (rule 6); False if it cannot be.
+
+    A module the user already recomputes, or one a plan already wraps, is left
+    as it is.
+    """
+    if is_checkpointed(module) or module in _plan_saved:
+        return False
+    _plan_saved[module] = vars(module).get("forward", _NOTHING)
+    wrapper = _plan_wrapper(module)
+    module.forward = wrapper
+    return True
+
+
+def unwrap_for_plan(module: nn.Module) -> None:
+    """Give ``module`` back the ``forward`` it had before :func:`wrap_for_plan`."""
+    if module not in _plan_saved:
+        return
+    saved = _plan_saved.pop(module)
+    if vars(module).get("forward") is not _plan_wrappers.get(module):
+        return  # something else replaced forward since: leave it as it is
+    if saved is _NOTHING:
+        del module.forward
+    else:
+        module.forward = saved

@@ -76,8 +76,10 @@ from tensorstash._reasons import Reason, Why, reason
 from tensorstash._verify import check, checksum
 from tensorstash.auto import Auto
 from tensorstash.disk import SpillError
+from tensorstash.plan import Plan
 from tensorstash.policy import Context, Defer, Held, Keep, Packed, Policy, bug, nbytes_of
 from tensorstash.profile import Profile, SiteRecord
+from tensorstash.recompute import saving_plan_inputs
 from tensorstash.stats import Decision, StashStats
 
 DEFAULT_MIN_BYTES = 64 * 1024
@@ -459,6 +461,9 @@ class Session(contextlib.ContextDecorator):
         self._kept_tier = self._stats.tiers["kept"]
         self._owner = 0  # the thread whose hooks this session pushed last
         self._pushed: list[bool] = []  # per open: whether this enter pushed hooks (rule 8)
+        self._step: Any = None  # the profile's step being measured
+        self._planner: Any = None  # the selector's per-step planning (Auto's state)
+        self._unpack_hook = self.unpack
 
     def __repr__(self) -> str:
         return f"tensorstash.stash({self.policy!r}, min_bytes={self.min_bytes})"
@@ -484,14 +489,16 @@ class Session(contextlib.ContextDecorator):
             with self._stats._lock:
                 self._stats.inside_recompute += 1
             return self
-        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
         self._pushed.append(True)
         self._owner = threading.get_ident()
-        if self.profile is not None:
-            self.profile.start_step()
         _active().append(self)
         self._ctx.opened()
         _modules.track()
+        begin = getattr(self.policy, "begin", None)
+        self._planner = begin(self._ctx) if begin is not None else None
+        self._step = self.profile.begin(self._ctx, self.min_bytes) if self.profile else None
+        self._unpack_hook = self.unpack if self._step is None else self._unpack_first
+        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self._unpack_hook)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -515,10 +522,15 @@ class Session(contextlib.ContextDecorator):
         torch._C._autograd._pop_saved_tensors_default_hooks()
         self._pushed.pop()
         active.pop()
+        recomputed = self._planner.end() if self._planner is not None else ()
+        self._stats.fold()
+        if self._step is not None:
+            tiers = self._stats.tiers
+            held = tiers["kept"].live_bytes + tiers["host"].live_bytes
+            self._step.end_forward(held, recomputed)
         if not active:
             _modules.forget_stack()
         _modules.untrack()
-        self._stats.fold()
         self._ctx.closed()
         self._ctx.flush_warnings()
 
@@ -565,7 +577,7 @@ class Session(contextlib.ContextDecorator):
             return self._deduplicated(tensor, found)
         # Rule 4: choice.
         record = site = None
-        if self.profile is not None:
+        if self.profile is not None and not saving_plan_inputs():
             site = self.profile.site(_modules.current(), tensor)
             record = self.profile.record_pack(site, nbytes)
         policy: Any = self.policy
@@ -604,6 +616,23 @@ class Session(contextlib.ContextDecorator):
         if kind is not _Saved:
             raise bug(f"unpack received {type(saved).__name__}")
         return self._unpack(saved)
+
+    def _unpack_first(self, saved: Any) -> Tensor:
+        """The unpack hook of a session with a profile: backward's start ends its step's forward."""
+        step = self._step
+        if step is not None:
+            step.backward_started()
+        return self.unpack(saved)
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan this session followed (``Auto`` with a profile, from step two), or None.
+
+        See :class:`~tensorstash.plan.Plan`: the modules recomputed, each site's
+        tier, the predicted step time and real peak; ``plan.table()`` for people.
+        """
+        planner = self._planner
+        return getattr(planner, "plan", None)
 
     @property
     def decisions(self) -> list[dict[str, Any]]:
@@ -859,5 +888,5 @@ def pause() -> Iterator[None]:
         yield
     finally:
         for session in reversed(popped):
-            torch._C._autograd._push_saved_tensors_default_hooks(session.pack, session.unpack)
+            torch._C._autograd._push_saved_tensors_default_hooks(session.pack, session._unpack_hook)
             active.append(session)

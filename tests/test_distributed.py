@@ -38,10 +38,24 @@ WORLD = 2
 STEPS = 2
 TIMEOUT_S = 240
 MODES = ("ddp", "fsdp", "fsdp-bf16")
-POLICIES = ("lz4", "disk", "auto", "select")
+POLICIES = ("lz4", "disk", "auto", "auto-plan", "select")
 """Policies run after plain autograd ("none"); "select" is DiskSpill behind a rule
-that records every packed tensor sharing storage with a parameter in use."""
-WHERE = {"lz4": "host", "disk": "disk", "auto": "disk", "select": "disk"}
+that records every packed tensor sharing storage with a parameter in use;
+"auto-plan" is Auto with a Profile kept across the steps, whose second step
+follows a plan that recomputes modules (each rank its own plan)."""
+WHERE = {"lz4": "host", "disk": "disk", "auto": "disk", "auto-plan": "kept", "select": "disk"}
+
+
+class Ticks:
+    """A profile clock that moves a microsecond per read: recomputing looks cheap, so
+    the plan recomputes whatever the ranks' timings."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1e-6
+        return self.now
 
 
 # -- the job each rank runs -----------------------------------------------------------
@@ -100,7 +114,7 @@ def _policy(name: str, model: nn.Module, spill: Path, notes: list[str]) -> Any:
         return ts.Lz4()
     if name == "disk":
         return ts.DiskSpill(directory=spill)
-    if name == "auto":
+    if name in ("auto", "auto-plan"):
         return ts.Auto(device_budget="256KiB", directory=str(spill))
     return _guard(model, spill, notes)
 
@@ -131,6 +145,7 @@ def _train(mode: str, policy: str | None, rank: int, spill: Path) -> dict[str, A
         "shapes": [list(s) for s in shapes],
         "saved": [list(s) for s in sorted(saved)],
     }
+    profile = ts.Profile(clock=Ticks()) if policy == "auto-plan" else None
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(100 + 10 * rank + step)
         x = torch.randn(4, 64, 128, generator=gen)  # each rank its own batch
@@ -138,13 +153,15 @@ def _train(mode: str, policy: str | None, rank: int, spill: Path) -> dict[str, A
         session = None
         if policy is not None:
             chosen = _policy(policy, model, spill, notes)
-            session = ts.stash(chosen, min_bytes=0, record=True)
+            session = ts.stash(chosen, min_bytes=0, record=True, profile=profile)
         with session if session is not None else contextlib.nullcontext():
             loss = case.loss(model(x).float())
         loss.backward()
         run["grads"].append(_local_grads(model))
         if session is not None:
             run["stats"].append(session.stats.to_dict())
+            plan = session.plan
+            run.setdefault("plans", []).append(None if plan is None else list(plan.recompute))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     run["notes"] = notes
@@ -247,6 +264,15 @@ def test_distributed_policy_packs(
             assert all(v == 0 for v in live.values()), f"live bytes after backward: {live}"
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_distributed_plan_recomputes_on_each_rank(
+    job: tuple[list[dict[str, Any]], Path], mode: str
+) -> None:
+    for rank, runs in enumerate(_mode(job, mode)):
+        plans = runs["auto-plan"]["plans"]
+        assert plans[0] is None and plans[-1], f"rank {rank}: plans {plans}"
+
+
 def test_distributed_spill_files_removed(job: tuple[list[dict[str, Any]], Path]) -> None:
     assert files_under([job[1] / "spill"]) == []
 
@@ -268,6 +294,8 @@ def test_distributed_parameters_kept(
             moved = [r for r in rows if r["tier"] != "kept" and tuple(r["shape"]) in shapes]
             moved += [r for r in rows if r["tier"] != "kept" and tuple(r["shape"]) in transposed]
             assert moved == [], f"rank {rank}, step {step}: parameters offloaded: {moved}"
+            if run.get("plans", [None] * (step + 1))[step]:
+                continue  # recomputed modules save their parameters inside their own region
             recognised = {tuple(r["shape"]) for r in rows if r["reason"] == "parameter"}
             missing = {tuple(s) for s in run["saved"]} - recognised
             assert not missing, f"rank {rank}, step {step}: not seen as parameters: {missing}"

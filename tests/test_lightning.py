@@ -158,7 +158,7 @@ def assert_weights_equal(expected: nn.Module, actual: nn.Module) -> None:
 POLICIES: dict[str, tuple[Callable[[Path], Any], str]] = {
     "lz4": (lambda _: ts.Lz4(), "host"),
     "disk": (lambda d: ts.DiskSpill(directory=d), "disk"),
-    "auto-budget": (lambda d: ts.Auto(device_budget=20_000, directory=d), "disk"),
+    "auto-budget": (lambda d: ts.Auto(device_budget=20_000, directory=d), None),
     "auto": (lambda _: "auto", "kept"),
 }
 
@@ -183,7 +183,8 @@ def test_callback_trains_bitwise_like_plain_lightning(
     assert_weights_equal(expected.net, actual.net)
     assert callback.stats is not None, "the callback recorded no stats"
     counts = {name: t["tensors"] for name, t in callback.stats.to_dict()["tiers"].items()}
-    assert counts[tier] > 0, f"no tensor reached tier {tier!r}:\n{callback.stats.table()}"
+    if tier is not None:  # Auto with a budget plans: recomputed or moved, test_plan.py says which
+        assert counts[tier] > 0, f"no tensor reached tier {tier!r}:\n{callback.stats.table()}"
     assert "training_step" not in actual.__dict__, "training_step was not restored"
     leak_check(directories=[spill_dir, private_tmp])
 
@@ -193,10 +194,10 @@ def test_callback_makes_a_profile_for_auto_and_plans_from_step_two(spill_dir: Pa
     callback = StashCallback(auto, min_bytes=0, record=True)
     assert callback.profile is not None
     fit(Automatic(), [callback])
-    assert callback.profile.steps == STEPS - 1
-    assert callback.stats is not None
-    reasons = {row["reason"].split(":")[0] for row in callback.stats.decisions}
-    assert {"keep", "offload"} <= reasons, reasons
+    assert callback.profile.steps == STEPS
+    history = list(callback.profile.history)
+    assert not history[0].recomputed and not history[0].moved  # the first step measures
+    assert all(step.recomputed or step.moved for step in history[1:])  # then plans
 
 
 def test_callback_uses_no_profile_for_other_policies() -> None:
@@ -350,17 +351,17 @@ def test_callback_profile_round_trips_through_a_checkpoint(tmp_path: Path) -> No
     saved = first.profile.state_dict()
     assert saved["steps"] == STEPS and saved["sites"]
 
-    # Resume for one more step: the plan of the first step comes from the checkpoint.
+    # Resume for one more step: its plan comes from the checkpoint.
     second = StashCallback(ts.Auto(device_budget=20_000), min_bytes=0, record=True)
     resumed = Automatic()
     fit(resumed, [second], max_steps=STEPS + 1, ckpt_path=path)
     assert second.profile is not None and second.stats is not None
-    assert second.profile.steps == STEPS
-    loaded = ts.Profile()
-    loaded.load_state_dict(saved)
-    assert second.profile.last == loaded.last
-    reasons = {row["reason"].split(":")[0] for row in second.stats.decisions}
-    assert {"keep", "offload"} <= reasons, f"the resumed step did not plan: {reasons}"
+    assert second.profile.steps == STEPS + 1
+    assert set(second.profile.last) == {
+        (s["module"], s["op"], s["occurrence"]) for s in saved["sites"]
+    }
+    resumed_step = second.profile.history[-1]
+    assert resumed_step.recomputed or resumed_step.moved, "the resumed step did not plan"
 
 
 def test_callback_warns_when_a_checkpoint_profile_has_nowhere_to_go() -> None:
@@ -374,7 +375,7 @@ def test_callback_pickles_after_a_fit_for_spawned_processes() -> None:
     fit(Automatic(), [callback])
     copy = pickle.loads(pickle.dumps(callback))
     assert copy.stats is None and copy.profile is not None
-    assert copy.profile.current == callback.profile.current  # type: ignore[union-attr]
+    assert copy.profile.state_dict() == callback.profile.state_dict()  # type: ignore[union-attr]
     assert copy.policy == callback.policy
 
 

@@ -1,117 +1,173 @@
-"""Profile: call sites recorded per step; Auto plans from the last step (NOTE [ Profile ])."""
+"""Profile: what a session measures per step (NOTE [ Profile ]), and its checkpoints."""
 
 from __future__ import annotations
+
+import io
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 import tensorstash as ts
-from tensorstash.profile import SiteRecord
-from tensorstash.stash import LEAF
 
 MiB = 1 << 20
-SKIPPED = ("parameter", "deduplicated", LEAF)
 
 
-class Clock:
-    """A clock that moves one second each time it is read: every unpack 'stalls'."""
+class Block(nn.Module):
+    """A residual MLP block with dropout."""
 
-    def __init__(self) -> None:
-        self.now = 0.0
+    def __init__(self, width: int = 256) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(0.1)
 
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x)))))
 
 
-def model() -> nn.Module:
+class Net(nn.Module):
+    def __init__(self, depth: int = 3, width: int = 256) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block(width) for _ in range(depth)))
+        self.head = nn.Linear(width, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x)).square().mean()
+
+
+def net() -> Net:
     torch.manual_seed(0)
-    return nn.Sequential(*(nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(6)))
+    return Net()
 
 
-def plain(net: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
-    net.zero_grad()
-    net(x).square().mean().backward()
-    return [p.grad.clone() for p in net.parameters()]
-
-
-def step(net: nn.Module, x: torch.Tensor, policy: object, profile: ts.Profile) -> ts.Session:
-    net.zero_grad()
-    with ts.stash(policy, min_bytes=0, record=True, profile=profile) as session:  # type: ignore[arg-type]
-        loss = net(x).square().mean()
+def step(
+    model: nn.Module, x: torch.Tensor, profile: ts.Profile, policy: Any = "keep"
+) -> ts.Session:
+    model.zero_grad(set_to_none=True)
+    with ts.stash(policy, profile=profile) as session:
+        loss = model(x.detach().requires_grad_())
     loss.backward()
     return session
 
 
-def offloaded(session: ts.Session) -> list[int]:
-    """Positions (in pack order) of the eligible tensors that were moved off the device."""
-    rows = [r for r in session.decisions if r["reason"] not in SKIPPED]
-    return [i for i, row in enumerate(rows) if row["tier"] != "kept"]
+def batch(rows: int = 128) -> torch.Tensor:
+    return torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
 
 
-def test_profile_records_the_same_sites_each_step() -> None:
-    net, x = model(), torch.randn(256, 512)
+def test_profile_counts_a_step_once_its_backward_ends() -> None:
+    model, profile = net(), ts.Profile()
+    with ts.stash("keep", profile=profile):
+        loss = model(batch())
+    assert profile.steps == 0 and profile.current  # forward done, backward not yet
+    loss.backward()
+    assert profile.steps == 1 and not profile.current
+    record = profile.history[-1]
+    assert record.forward_s > 0 and record.backward_s > 0
+    assert record.held_bytes > 0 and record.moved == {}
+
+
+def test_profile_sites_are_module_op_and_occurrence() -> None:
+    model, profile = net(), ts.Profile()
+    step(model, batch(), profile)
+    first = dict(profile.last)
+    step(model, batch(), profile)
+    assert list(profile.last) == list(first)
+    assert all(len(site) == 3 for site in first)
+    assert {site[0] for site in first} >= {"blocks.0.fc1", "blocks.2.fc2"}
+
+
+def test_profile_sites_carry_across_batch_sizes_with_their_bytes() -> None:
+    model, profile = net(), ts.Profile(measure_steps=1)
+    step(model, batch(128), profile)
+    big = dict(profile.last)
+    step(model, batch(64), profile)
+    assert set(profile.last) == set(big)
+    assert all(profile.last[site].nbytes * 2 == big[site].nbytes for site in big)
+    assert profile._measures()  # another shape: the modules are timed again
+
+
+def test_profile_times_modules_and_their_inputs() -> None:
+    model, profile = net(), ts.Profile()
+    step(model, batch(), profile)
+    block = profile.modules["blocks.1"]
+    inner = profile.modules["blocks.1.fc1"]
+    assert block.calls == 1 and block.kind == "Block"
+    assert block.forward_s >= inner.forward_s > 0
+    assert block.input_bytes == 128 * 256 * 4  # the block's input, what recompute keeps
+    assert profile.modules["blocks.1.fc2"].input_bytes == 128 * 1024 * 4
+    assert all(record.unsafe is None for record in profile.modules.values())
+
+
+class Normed(nn.Module):
+    """BatchNorm in training updates its running statistics in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(256, 256), nn.BatchNorm1d(256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(x)).relu()
+
+
+class InPlace(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2).sin()
+
+
+def test_profile_marks_modules_that_change_state_in_forward_unsafe() -> None:
+    model = nn.Sequential(nn.Linear(256, 256), Normed(), nn.Linear(256, 256), InPlace())
     profile = ts.Profile()
-    step(net, x, "keep", profile)
-    first = list(profile.current)
-    step(net, x, "keep", profile)
+    with ts.stash("keep", profile=profile):
+        loss = model(batch()).sum()
+    loss.backward()
+    assert "BatchNorm" in str(profile.modules["1.bn"].unsafe)
+    assert profile.modules["3"].unsafe == "changes its input in place"
+    assert profile.modules["0"].unsafe is None and profile.modules["2"].unsafe is None
+
+
+def test_profile_marks_modules_already_checkpointed_unsafe() -> None:
+    model = net()
+    ts.recompute(model.blocks[0])
+    model.blocks[2].gradient_checkpointing = True  # as Hugging Face marks its layers
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.utils.checkpoint.checkpoint(self.net.blocks[1], x, use_reentrant=False)
+            return self.net.head(self.net.blocks[2](self.net.blocks[0](h))).square().mean()
+
+    profile = ts.Profile()
+    step(Outer(), batch(), profile)
+    modules = profile.modules
+    assert "already recomputed" in str(modules["net.blocks.0"].unsafe)
+    assert "already recomputed" in str(modules["net.blocks.2"].unsafe)
+    assert "already checkpointed" in str(modules["net.blocks.1"].unsafe)
+
+
+def test_no_grad_and_evaluation_forwards_are_not_steps() -> None:
+    model, profile = net(), ts.Profile()
+    step(model, batch(), profile)
+    state = profile.state_dict()
+    with torch.no_grad(), ts.stash("keep", profile=profile):
+        model(batch())
+    model.eval()
+    with ts.stash("keep", profile=profile):
+        model(batch()).backward()
+    model.train()
     assert profile.steps == 1
-    assert list(profile.last) == first == list(profile.current)
-    assert [site[0] for site in first][:2] == ["0.0", "0.1"]  # module paths
+    assert profile.state_dict() == state
 
 
-def test_auto_with_a_profile_offloads_the_earliest_tensors_from_step_two() -> None:
-    net, x = model(), torch.randn(256, 512)
-    expected = plain(net, x)
-    budget = 3 * 256 * 512 * 4  # three of the twelve saved activations
-    auto = ts.Auto(device_budget=budget, host_probe=lambda d: (64 << 30, 128 << 30))
-    profile = ts.Profile(clock=Clock())
-    first = step(net, x, auto, profile)
-    grads_first = [p.grad.clone() for p in net.parameters()]
-    second = step(net, x, auto, profile)
-    # Step one keeps the first tensors until 3/4 of the budget is spent and the last
-    # ones in its recent window, and offloads those between: each reload "stalled".
-    early, late = offloaded(first), offloaded(second)
-    eligible = len(profile.last)
-    assert early == list(range(early[0], early[-1] + 1)) and early[0] > 0
-    assert early[-1] < eligible - 1  # the last ones stayed
-    # Step two offloads the tensors saved earliest; it keeps the last ones and the
-    # latest that stalled.
-    assert late == list(range(len(late)))
-    third = step(net, x, auto, profile)
-    assert offloaded(third) == late  # the plan is stable
-    reasons = {row["reason"].split(";")[0] for row in second.decisions}
-    assert "offload: saved early, time to bring it back" in reasons
-    assert "keep: backward needs it first (saved last)" in reasons
-    for stats in (first.stats, second.stats):
-        kept = stats.to_dict()["tiers"]["kept"]["peak_bytes"]
-        assert kept <= budget + 256 * 512 * 4
-    for e, a, b in zip(expected, grads_first, [p.grad for p in net.parameters()], strict=True):
-        assert torch.equal(e, a) and torch.equal(e, b)
-
-
-def test_plan_keeps_a_site_whose_reload_stalled_and_offloads_another_instead() -> None:
-    profile = ts.Profile(stall_s=0.01)
-    sites = [("m", "op", (1,), "float32", i) for i in range(4)]
-    profile.current = {
-        sites[0]: SiteRecord(0, 100, unpack_s=0.5, offloaded=True),  # stalled backward
-        sites[1]: SiteRecord(1, 100),
-        sites[2]: SiteRecord(2, 100),
-        sites[3]: SiteRecord(3, 100),
-    }
-    profile.start_step()  # the step ends: its records become profile.last
-    plan = profile.plan(budget=200, recent=50)
-    assert plan[sites[0]] == (True, "keep: its reload stalled backward last step")
-    assert plan[sites[3]] == (True, "keep: backward needs it first (saved last)")
-    assert not plan[sites[1]][0] and not plan[sites[2]][0]
-
-
-def test_plan_never_keeps_more_than_the_budget() -> None:
-    profile = ts.Profile()
-    profile.last = {("m", None, (1,), "f", i): SiteRecord(i, 100) for i in range(10)}
-    plan = profile.plan(budget=350)
-    assert sum(1 for keep, _ in plan.values() if keep) == 3
+def test_profile_measures_the_real_peak_of_a_step() -> None:
+    model, profile = net(), ts.Profile()
+    step(model, batch(512), profile)
+    peak = profile.history[-1].peak_bytes
+    assert peak is not None and peak > MiB  # the step's activations, at least
 
 
 def test_lz4_reuses_the_encoding_a_profile_carries_from_the_last_step(
@@ -131,9 +187,28 @@ def test_lz4_reuses_the_encoding_a_profile_carries_from_the_last_step(
         y.sum().backward()
     assert trials == ["zeros"]  # the second step ran no trial
     assert set(profile.codec_methods.values()) == {"zeros"}
-    restored = ts.Profile()
-    restored.load_state_dict(profile.state_dict())
-    assert restored.codec_methods == profile.codec_methods
+
+
+def test_profile_state_dict_round_trips_and_plans_alike() -> None:
+    model, profile = net(), ts.Profile()
+    for _ in range(2):
+        step(model, batch(), profile)
+    state = profile.state_dict()
+    torch.save(state, io.BytesIO())  # plain data: safe with weights_only loads
+    fresh = ts.Profile()
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
+    budget = profile.history[-1].held_bytes // 2
+    before = ts.plan.make_plan(profile, budget)
+    after = ts.plan.make_plan(fresh, budget)
+    assert before is not None and after is not None
+    assert after.recompute == before.recompute and after.tiers == before.tiers
+    assert after.predicted_step_s == pytest.approx(before.predicted_step_s)
+
+
+def test_profile_load_state_dict_rejects_another_version() -> None:
+    with pytest.raises(ValueError, match="version 99"):
+        ts.Profile().load_state_dict({"version": 99, "steps": 0, "sites": []})
 
 
 def test_stash_rejects_a_profile_of_the_wrong_type() -> None:

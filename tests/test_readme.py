@@ -63,7 +63,7 @@ def test_opening_snippet(private_tmp: Path, capsys: pytest.CaptureFixture[str]) 
 def test_profile_snippet(private_tmp: Path) -> None:
     namespace = _namespace()
     exec("import tensorstash as ts\n" + _snippet("profile = ts.Profile()"), namespace)
-    assert namespace["profile"].steps == 1  # the second step planned from the first
+    assert namespace["profile"].steps == 2  # two steps measured; the second planned from the first
     assert all(p.grad is not None for p in namespace["model"].parameters())
 
 

@@ -1,9 +1,6 @@
-"""StashStats across sessions (merge, combined, metrics) and Profile checkpoints."""
+"""StashStats across sessions: merge, combined, metrics."""
 
 from __future__ import annotations
-
-import pytest
-import torch
 
 import tensorstash as ts
 
@@ -50,36 +47,3 @@ def test_metrics_are_flat_numbers_per_step() -> None:
     assert values["tensorstash/compression_ratio"] == 4500 / 1500
     assert all(isinstance(v, float) for v in values.values())
     assert set(first.metrics("x.")) == {key.replace("tensorstash/", "x.") for key in values}
-
-
-def _trained_profile() -> ts.Profile:
-    profile = ts.Profile(clock=iter(range(10_000)).__next__)  # every unpack takes a "second"
-    x = torch.randn(64, 64, requires_grad=True)
-    for _ in range(2):
-        with ts.stash(ts.Auto(device_budget=0), min_bytes=0, profile=profile):
-            loss = (x.sin() * 2).cos().sum()
-        loss.backward()
-    return profile
-
-
-def test_profile_state_dict_round_trips() -> None:
-    profile = _trained_profile()
-    state = profile.state_dict()
-    assert state["steps"] == 2 and state["sites"]
-    assert any(row["stalled"] for row in state["sites"])
-    fresh = ts.Profile()
-    fresh.load_state_dict(state)
-    assert fresh.steps == 2 and fresh.last == profile.current
-    assert fresh.stalls and fresh.plan(budget=1 << 20) == _next_plan(profile)
-    assert fresh.state_dict() == state
-    torch.save(state, __import__("io").BytesIO())  # plain data: safe with weights_only loads
-
-
-def _next_plan(profile: ts.Profile) -> dict:
-    profile.start_step()
-    return profile.plan(budget=1 << 20)
-
-
-def test_profile_load_state_dict_rejects_another_version() -> None:
-    with pytest.raises(ValueError, match="version 99"):
-        ts.Profile().load_state_dict({"version": 99, "steps": 0, "sites": []})

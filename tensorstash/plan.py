@@ -1,0 +1,466 @@
+"""The plan: which modules to recompute and where each call site's tensors go, for a budget.
+
+# NOTE [ Plan ]
+1. The budget covers the eligible saved bytes the device holds (for CPU
+   training, host RAM): what a ``Keep`` session counts past parameters, buffers
+   and tensors under ``min_bytes``. "Activation bytes" are those of one step.
+2. A run whose activation bytes fit costs nothing: the plan keeps every site.
+3. Otherwise each way to save bytes has a cost in step time, and the plan takes
+   the cheapest saving per byte first until the held bytes fit:
+   - recomputing a module saves the bytes saved inside it, less its inputs
+     (which its region keeps), and costs its forward time; a module inside one
+     already chosen is not counted twice, and choosing a module replaces the
+     choices made inside it;
+   - on a CUDA device, copying a site to host RAM is free while the link can
+     move it during forward and bring it back during backward (the sites saved
+     earliest first: they come back last); past that it costs its transfer;
+   - on the CPU, host RAM is the device: a site is compressed (lz4) or spilled
+     (disk) at the cost of the CPU time that takes, on the cores the step uses.
+4. Modules the user forbids, modules unsafe to recompute (NOTE [ Profile ]
+   rule 2) and the model itself are never recomputed; modules the user names
+   are always recomputed first.
+5. A budget below what every saving together reaches cannot be held, nor one
+   below the largest tensor (a session holds the tensor it packs): the plan
+   takes every saving, and ``reachable_bytes`` says the smallest budget it can hold.
+6. Predictions come from the measured steps (their medians, NOTE [ Profile ]
+   rule 5): the step time with nothing recomputed or moved is the measured
+   time less what the measured step's own plan cost; the new plan adds its
+   costs. The real peak is the measured peak less the eligible bytes held at
+   its moment, plus the new plan's: the held bytes when forward ends, or more
+   while backward recomputes a module (the tensors saved before it are still
+   held, and its own are made again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tensorstash.profile import ModuleRecord, Profile, Site, SiteRecord, StepRecord
+from tensorstash.stats import human_bytes
+
+Tier = Literal["keep", "host", "compressed", "disk"]
+
+DISK_BYTES_PER_S = 0.45e9
+"""Spill write, read and checksum, per second of a busy 2-core CPU (DESIGN.md, measured facts)."""
+LZ4_BYTES_PER_S = 0.6e9
+"""lz4 compression and decompression of activations, per second of CPU."""
+LZ4_RATIO = 1.5
+"""What lz4 keeps of float activations, as original over stored bytes."""
+LINK_BYTES_PER_S = 20e9
+"""Device to host and back (PCIe); measured on the device where it can be."""
+CALIBRATION_SPREAD = 4.0
+"""A measured cost per byte moved counts down to 1/CALIBRATION_SPREAD of the assumed one."""
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Speeds the cost model uses (bytes per second; NOTE [ Plan ] rule 3)."""
+
+    link: float = LINK_BYTES_PER_S
+    disk: float = DISK_BYTES_PER_S
+    compress: float = LZ4_BYTES_PER_S
+    ratio: float = LZ4_RATIO
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One saving the plan took: what, how many bytes, at what cost."""
+
+    kind: Literal["recompute", "host", "compressed", "disk"]
+    target: str
+    saved_bytes: int
+    cost_s: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``Auto`` does in a step: the modules it recomputes, each site's tier, and why.
+
+    Attributes:
+        budget: eligible bytes the device may hold.
+        activation_bytes: the eligible bytes of a step with nothing moved.
+        held_bytes: what the plan holds when forward ends.
+        reachable_bytes: the fewest bytes any plan holds (rule 5).
+        recompute: module paths recomputed, in the model's order.
+        tiers: the tier of each site that does not stay ("keep" for the others).
+        choices: the savings taken, cheapest per byte first.
+        base_step_s: the predicted step time with nothing recomputed or moved.
+        predicted_step_s: forward and backward seconds with this plan.
+        predicted_peak_bytes: the real peak memory growth over a step, or None
+            before a step's peak was measured.
+    """
+
+    budget: int
+    activation_bytes: int
+    held_bytes: int
+    reachable_bytes: int
+    recompute: tuple[str, ...] = ()
+    tiers: dict[Site, Tier] = field(default_factory=dict)
+    choices: tuple[Choice, ...] = ()
+    base_step_s: float = 0.0
+    predicted_step_s: float = 0.0
+    predicted_peak_bytes: int | None = None
+
+    def tier(self, site: Site) -> Tier:
+        """Where ``site``'s tensors go ("keep" unless the plan moves them)."""
+        return self.tiers.get(site, "keep")
+
+    @property
+    def fits(self) -> bool:
+        """Whether the budget can be held (rule 5)."""
+        return self.held_bytes <= self.budget and self.reachable_bytes <= self.budget
+
+    def table(self) -> str:
+        """The plan for people: the budget, each saving, the predictions."""
+        lines = [
+            f"budget {human_bytes(self.budget)} of {human_bytes(self.activation_bytes)} "
+            f"activation bytes; held at the end of forward {human_bytes(self.held_bytes)}"
+            + ("" if self.fits else f" (the least reachable: {human_bytes(self.reachable_bytes)})"),
+        ]
+        if not self.choices:
+            lines.append("nothing to move: every site is kept")
+        for choice in self.choices:
+            saved = human_bytes(choice.saved_bytes)
+            lines.append(
+                f"  {choice.kind:<10} {choice.target:<40} saves {saved:>10}"
+                f"  costs {1e3 * choice.cost_s:8.2f} ms"
+            )
+        overhead = self.predicted_step_s / self.base_step_s if self.base_step_s > 0 else 1.0
+        peak = "-" if self.predicted_peak_bytes is None else human_bytes(self.predicted_peak_bytes)
+        lines.append(
+            f"predicted step {self.predicted_step_s:.3f} s ({overhead:.2f}x of nothing moved), "
+            f"real peak growth {peak}"
+        )
+        return "\n".join(lines)
+
+
+Excluded = Callable[[str], bool]
+
+
+def make_plan(
+    profile: Profile,
+    budget: int,
+    *,
+    device: str = "cpu",
+    recompute: bool = True,
+    never: Excluded = lambda path: False,
+    always: Iterable[str] = (),
+    rates: Rates | None = None,
+) -> Plan | None:
+    """The plan for ``budget`` from what ``profile`` measured; None before a step was measured.
+
+    Args:
+        profile: measurements of the last steps.
+        budget: eligible bytes the device may hold.
+        device: "cuda" or "cpu": which savings exist (rule 3).
+        recompute: whether modules may be recomputed at all.
+        never: ``never(path)`` is True for modules the user forbids.
+        always: module paths recomputed whatever the budget.
+        rates: the speeds of the cost model.
+    """
+    step = profile.measured()
+    if step is None or not profile.last:
+        return None
+    solver = _Solver(profile, budget, device, rates or Rates())
+    solver.calibrate()
+    for path in always:
+        solver.take_recompute(path)
+    if solver.held > budget:
+        if device == "cuda":
+            solver.take_hidden_copies(step)
+        solver.take_cheapest(recompute, never)
+    return solver.plan(step)
+
+
+class _Solver:
+    """The greedy of rule 3 over one profile's sites and modules."""
+
+    def __init__(self, profile: Profile, budget: int, device: str, rates: Rates) -> None:
+        self.profile = profile
+        self.budget = budget
+        self.device = device
+        self.rates = rates
+        self.sites: dict[Site, SiteRecord] = dict(profile.last)
+        self.modules: dict[str, ModuleRecord] = _pooled(profile.modules, self.sites)
+        self.root = profile._root_name
+        self.activation = sum(record.nbytes for record in self.sites.values())
+        self.held = self.activation
+        self.recomputed: dict[str, Choice] = {}
+        self.moved: dict[Site, Choice] = {}
+        self.unsafe = {path for path, record in self.modules.items() if record.unsafe}
+        self.base_s = 0.0
+
+    # What a module holds --------------------------------------------------------------
+
+    def inside(self, path: str) -> list[Site]:
+        return [site for site in self.sites if _under(site[0], path)]
+
+    def recompute_saving(self, path: str) -> tuple[int, float]:
+        """Bytes and seconds that recomputing ``path`` adds to the choices taken so far."""
+        record = self.modules[path]
+        saved = sum(self.sites[site].nbytes for site in self.inside(path)) - record.input_bytes
+        cost = record.forward_s
+        for inner, choice in self.recomputed.items():
+            if _under(inner, path):
+                saved -= choice.saved_bytes
+                cost -= choice.cost_s
+        for site, choice in self.moved.items():
+            if _under(site[0], path):
+                saved -= choice.saved_bytes
+                cost -= choice.cost_s
+        return saved, max(cost, 0.0)
+
+    def recomputable(self, path: str, never: Excluded) -> bool:
+        if path == self.root or path == "" or never(path) or path not in self.modules:
+            return False
+        if any(_under(bad, path) for bad in self.unsafe):
+            return False  # rule 4: it or a module inside it is unsafe
+        return not any(_under(path, outer) for outer in self.recomputed)
+
+    # Taking savings ---------------------------------------------------------------------
+
+    def take_recompute(self, path: str) -> None:
+        if path not in self.modules or any(_under(path, outer) for outer in self.recomputed):
+            return
+        saved, cost = self.recompute_saving(path)
+        for inner in [p for p in self.recomputed if _under(p, path)]:
+            del self.recomputed[inner]
+        for site in [s for s in self.moved if _under(s[0], path)]:
+            del self.moved[site]
+        self.recomputed[path] = Choice("recompute", path, saved, cost)
+        self.held -= saved
+
+    def take_move(
+        self, site: Site, kind: Literal["host", "compressed", "disk"], cost: float
+    ) -> None:
+        nbytes = self.sites[site].nbytes
+        saved = nbytes - int(nbytes / self.rates.ratio) if kind == "compressed" else nbytes
+        self.moved[site] = Choice(kind, _site_name(site), saved, cost)
+        self.held -= saved
+
+    def take_hidden_copies(self, step: StepRecord) -> None:
+        """Rule 3, CUDA: copies to host RAM that the link hides, earliest sites first."""
+        capacity = self.rates.link * min(step.forward_s, step.backward_s)
+        for site, record in sorted(self.sites.items(), key=lambda item: item[1].order):
+            if self.held <= self.budget or record.nbytes > capacity:
+                return
+            capacity -= record.nbytes
+            self.take_move(site, "host", 0.0)
+
+    def move_option(self, site: Site) -> tuple[Literal["host", "compressed", "disk"], int, float]:
+        """The cheapest way to move a site off the device: its tier, bytes saved, cost."""
+        nbytes = self.sites[site].nbytes
+        rates = self.rates
+        if self.device == "cuda":
+            return "host", nbytes, nbytes / rates.link
+        compressed = nbytes - int(nbytes / rates.ratio)
+        disk_cost, lz4_cost = nbytes / rates.disk, nbytes / rates.compress
+        if compressed > 0 and lz4_cost / compressed < disk_cost / nbytes:
+            return "compressed", compressed, lz4_cost
+        return "disk", nbytes, disk_cost
+
+    def options(self, recompute: bool, never: Excluded) -> list[_Option]:
+        """Every saving still open, with what it adds to the choices taken so far."""
+        found: list[_Option] = []
+        if recompute:
+            for path, record in self.modules.items():
+                if self.recomputable(path, never):
+                    saved, cost = self.recompute_saving(path)
+                    if saved > 0:
+                        found.append(_Option(cost, saved, record.first_order, "recompute", path))
+        for site, site_record in self.sites.items():
+            if site in self.moved or any(_under(site[0], m) for m in self.recomputed):
+                continue
+            tier, saved, cost = self.move_option(site)
+            if saved > 0:
+                found.append(_Option(cost, saved, site_record.order, tier, site))
+        return found
+
+    def take_cheapest(self, recompute: bool, never: Excluded) -> None:
+        """Rule 3: the cheapest saving per byte first, until the held bytes fit.
+
+        Costs per byte within about 10% of each other count as equal (a timing's
+        noise), and the earlier module or site goes first: its tensors come back
+        last in backward, while less is held. A single saving that covers what
+        is left, for no more than the cheapest per byte, ends the search.
+        """
+        while self.held > self.budget:
+            options = self.options(recompute, never)
+            if not options:
+                return
+            best = min(options, key=_Option.rank)
+            need = self.held - self.budget
+            covering = [o for o in options if o.saved >= need]
+            if covering:
+                cover = min(covering, key=lambda o: (o.cost, o.order))
+                if cover.cost <= best.cost:
+                    best = cover
+            self.take(best)
+
+    def take(self, option: _Option) -> None:
+        if option.kind == "recompute":
+            self.take_recompute(str(option.target))
+        else:
+            site: Site = option.target  # type: ignore[assignment]
+            self.take_move(site, option.kind, option.cost)  # type: ignore[arg-type]
+
+    # The result ----------------------------------------------------------------------------
+
+    def plan(self, step: StepRecord) -> Plan:
+        recompute = tuple(path for path in self.modules if path in self.recomputed)
+        tiers: dict[Site, Tier] = {}
+        for site, choice in self.moved.items():
+            if not any(_under(site[0], m) for m in recompute):
+                tiers[site] = choice.kind  # type: ignore[assignment]
+        choices = sorted(
+            [*self.recomputed.values(), *self.moved.values()],
+            key=lambda c: c.cost_s / max(c.saved_bytes, 1),
+        )
+        held = max(self.held, 0)
+        reachable = self._reachable()
+        base = self.base_s
+        predicted = base + sum(choice.cost_s for choice in choices)
+        peak = None
+        if step.peak_bytes is not None:
+            other = step.peak_bytes - self._effective_held(step.recomputed, step.held_bytes)
+            peak = max(0, other + self._effective_held(recompute, held))
+        return Plan(
+            budget=self.budget,
+            activation_bytes=self.activation,
+            held_bytes=held,
+            reachable_bytes=reachable,
+            recompute=recompute,
+            tiers=tiers,
+            choices=tuple(choices),
+            base_step_s=base,
+            predicted_step_s=predicted,
+            predicted_peak_bytes=peak,
+        )
+
+    def calibrate(self) -> None:
+        """Rule 6: the step time with nothing moved, and what moving a byte cost, from the steps.
+
+        The base is the median over the measured steps that moved nothing of
+        their time less the forward time of what they recomputed (or, before
+        such a step, of the last steps less the time spent in policies). A step
+        that moved bytes to one tier gives that tier's cost per byte: its time
+        over the base, less its recompute, per byte moved (on the CPU, the host
+        tier is lz4's; copies to a CUDA device's host keep the link's speed).
+        """
+        steps = list(self.profile.history)
+        clean = [s.seconds - self._cost_of(s.recomputed) for s in steps if not s.moved]
+        if clean:
+            self.base_s = statistics.median(clean)
+        else:
+            self.base_s = statistics.median(
+                s.seconds - s.policy_s - self._cost_of(s.recomputed) for s in steps[-3:]
+            )
+        per_byte: dict[str, list[float]] = {}
+        for s in steps:
+            if len(s.moved) == 1:
+                ((tier, nbytes),) = s.moved.items()
+                extra = s.seconds - self.base_s - self._cost_of(s.recomputed)
+                per_byte.setdefault(tier, []).append(max(extra, 0.0) / nbytes)
+        changes: dict[str, float] = {}
+        # A step's time cannot show a byte moved for much less than a probe took:
+        # below that, what it shows is noise (rule 6).
+        if "disk" in per_byte:
+            floor = 1 / (CALIBRATION_SPREAD * self.rates.disk)
+            changes["disk"] = 1 / max(statistics.median(per_byte["disk"]), floor)
+        if "host" in per_byte and self.device != "cuda":
+            floor = 1 / (CALIBRATION_SPREAD * self.rates.compress)
+            changes["compress"] = 1 / max(statistics.median(per_byte["host"]), floor)
+        if changes:
+            self.rates = dataclasses.replace(self.rates, **changes)
+
+    def _reachable(self) -> int:
+        """The fewest bytes held (rule 5): every saving taken (the same greedy, budget 0),
+        and never less than the largest tensor, which a session holds while it packs it."""
+        other = _Solver(self.profile, 0, self.device, self.rates)
+        other.take_cheapest(True, lambda path: False)
+        largest = max((record.nbytes for record in self.sites.values()), default=0)
+        return max(other.held, largest)
+
+    def _cost_of(self, recomputed: tuple[str, ...]) -> float:
+        """Forward seconds of the modules a step recomputed (none inside another)."""
+        outer = [p for p in recomputed if not any(_under(p, o) and p != o for o in recomputed)]
+        return sum(self.modules[p].forward_s for p in outer if p in self.modules)
+
+    def _effective_held(self, recomputed: tuple[str, ...], held: int) -> int:
+        """Rule 6: the held bytes at the peak: when forward ends, or while backward recomputes."""
+        peak = held
+        for path in recomputed:
+            record = self.modules.get(path)
+            if record is None:
+                continue
+            before = sum(
+                r.nbytes
+                for site, r in self.sites.items()
+                if r.order < record.first_order
+                and not any(_under(site[0], m) for m in recomputed)
+                and site not in self.moved
+            )
+            inside = sum(self.sites[site].nbytes for site in self.inside(path))
+            peak = max(peak, before + record.input_bytes + inside)
+        return peak
+
+
+def _pooled(
+    modules: dict[str, ModuleRecord], sites: dict[Site, SiteRecord]
+) -> dict[str, ModuleRecord]:
+    """Modules with the forward time of their twins pooled (rule 3).
+
+    Layers of one kind that save the same bytes from inputs of the same size
+    (the blocks of a transformer) cost the same: each gets their median time,
+    so timing noise does not pick one block over another.
+    """
+    inside: dict[str, int] = {path: 0 for path in modules}
+    for site, saved in sites.items():
+        for path in modules:
+            if _under(site[0], path):
+                inside[path] += saved.nbytes
+    twins: dict[tuple[Any, ...], list[str]] = {}
+    for path, module in modules.items():
+        key = (module.kind, module.calls, module.input_bytes, inside[path])
+        twins.setdefault(key, []).append(path)
+    pooled = dict(modules)
+    for paths in twins.values():
+        if len(paths) > 1:
+            median = statistics.median(modules[p].forward_s for p in paths)
+            for path in paths:
+                pooled[path] = dataclasses.replace(modules[path], forward_s=median)
+    return pooled
+
+
+@dataclass(frozen=True)
+class _Option:
+    """A saving the solver may take: its cost, bytes, place in the step, kind and target."""
+
+    cost: float
+    saved: int
+    order: int
+    kind: str
+    target: object
+
+    def rank(self) -> tuple[int, int]:
+        """Cost per byte in steps of about 10%, then the earlier first (see take_cheapest)."""
+        per_byte = self.cost / self.saved
+        return (round(math.log(per_byte) / _BUCKET) if per_byte > 0 else -(10**9), self.order)
+
+
+_BUCKET = math.log(1.1)
+
+
+def _under(path: str, module: str) -> bool:
+    """Whether ``path`` is ``module`` or a module inside it."""
+    return path == module or path.startswith(module + ".")
+
+
+def _site_name(site: Site) -> str:
+    module, op, occurrence = site
+    return f"{module or '(top level)'}:{op}#{occurrence}"

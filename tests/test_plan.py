@@ -1,0 +1,442 @@
+"""The plan (NOTE [ Plan ]): the solver on measured profiles, and Auto following it."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tensorstash as ts
+from tensorstash.plan import Rates, make_plan
+from tensorstash.profile import ModuleRecord, SiteRecord, StepRecord
+
+MiB = 1 << 20
+
+
+# -- the solver, on profiles written by hand -------------------------------------------
+
+
+def profile_of(
+    modules: dict[str, tuple[float, int]],
+    sites: dict[str, list[int]],
+    *,
+    seconds: float = 1.0,
+    unsafe: dict[str, str] | None = None,
+) -> ts.Profile:
+    """A profile that measured one step: ``modules`` maps a path to (forward seconds,
+    input bytes); ``sites`` maps a module path to the bytes of the tensors saved in it."""
+    profile = ts.Profile()
+    order = 0
+    for path, sizes in sites.items():
+        for occurrence, nbytes in enumerate(sizes, 1):
+            profile.last[(path, "MulBackward0", occurrence)] = SiteRecord(order, nbytes)
+            order += 1
+    firsts = {
+        path: min(r.order for s, r in profile.last.items() if s[0].startswith(path))
+        for path in modules
+    }
+    profile.modules = {  # each its own kind: twins would share their median time
+        path: ModuleRecord(1, forward_s, inputs, firsts[path], (unsafe or {}).get(path), path)
+        for path, (forward_s, inputs) in modules.items()
+    }
+    total = sum(r.nbytes for r in profile.last.values())
+    profile.history.append(StepRecord(seconds / 3, 2 * seconds / 3, total, 4 * total))
+    profile._root_name = "Net"
+    return profile
+
+
+def two_blocks(cheap_s: float = 0.002, dear_s: float = 0.008) -> ts.Profile:
+    return profile_of(
+        {"a": (cheap_s, MiB), "b": (dear_s, MiB)},
+        {"a": [4 * MiB, 4 * MiB], "b": [4 * MiB, 4 * MiB]},
+    )
+
+
+def test_plan_keeps_everything_when_the_activations_fit() -> None:
+    plan = make_plan(two_blocks(), 64 * MiB)
+    assert plan is not None
+    assert plan.recompute == () and plan.tiers == {} and plan.choices == ()
+    assert plan.held_bytes == 16 * MiB and plan.fits
+    assert plan.predicted_step_s == pytest.approx(plan.base_step_s)
+
+
+def test_plan_takes_the_cheapest_saving_per_byte_first() -> None:
+    plan = make_plan(two_blocks(cheap_s=0.002, dear_s=0.008), 9 * MiB)
+    assert plan is not None and plan.recompute == ("a",)
+    assert plan.held_bytes == 9 * MiB  # 16 MiB less "a"'s 8 MiB, plus its 1 MiB input
+    plan = make_plan(two_blocks(cheap_s=0.008, dear_s=0.002), 9 * MiB)
+    assert plan is not None and plan.recompute == ("b",)
+
+
+def test_plan_prefers_the_earlier_of_equal_modules() -> None:
+    plan = make_plan(two_blocks(cheap_s=0.004, dear_s=0.0041), 9 * MiB)
+    assert plan is not None and plan.recompute == ("a",)  # equal within noise: the earlier
+
+
+def test_plan_recomputing_a_module_replaces_the_choices_inside_it() -> None:
+    profile = profile_of(
+        {"a": (0.0015, MiB), "a.x": (0.0005, MiB), "a.y": (0.001, MiB)},
+        {"a.x": [4 * MiB], "a.y": [4 * MiB]},
+    )
+    # "a.x" is the cheapest per byte; then "a", which adds what "a.y" would for less.
+    plan = make_plan(profile, 2 * MiB)
+    assert plan is not None and plan.recompute == ("a",)
+    assert [choice.target for choice in plan.choices] == ["a"]
+    assert plan.held_bytes == MiB
+
+
+def test_plan_takes_one_saving_that_covers_what_is_left() -> None:
+    profile = profile_of(
+        {"a": (0.002, MiB), "b": (0.002, MiB), "c": (0.0005, 0)},
+        {"a": [8 * MiB], "b": [8 * MiB], "c": [MiB]},
+    )
+    # 17 MiB held, 16.5 allowed: "c" covers the half MiB left, cheaper than a block.
+    plan = make_plan(profile, 16 * MiB + MiB // 2)
+    assert plan is not None and plan.recompute == ("c",)
+
+
+def test_plan_never_recomputes_unsafe_modules_nor_modules_around_them() -> None:
+    profile = profile_of(
+        {"a": (0.002, MiB), "a.bn": (0.0002, 0), "b": (0.008, MiB)},
+        {"a.bn": [8 * MiB], "b": [8 * MiB]},
+        unsafe={"a.bn": "changes its buffers in forward"},
+    )
+    plan = make_plan(profile, 9 * MiB)
+    assert plan is not None and plan.recompute == ("b",)
+
+
+def test_plan_follows_never_and_always() -> None:
+    plan = make_plan(two_blocks(), 9 * MiB, never=lambda path: path == "a")
+    assert plan is not None and plan.recompute == ("b",)
+    plan = make_plan(two_blocks(), 64 * MiB, always=["b"])
+    assert plan is not None and plan.recompute == ("b",)
+
+
+def test_plan_without_recompute_moves_sites_on_the_cpu() -> None:
+    plan = make_plan(two_blocks(), 9 * MiB, recompute=False, rates=Rates(ratio=1.0))
+    assert plan is not None and plan.recompute == ()
+    assert set(plan.tiers.values()) == {"disk"} and plan.fits
+    assert len(plan.tiers) == 2  # two 4 MiB sites bring 16 MiB under 9
+
+
+def test_plan_copies_the_earliest_sites_to_host_free_on_cuda() -> None:
+    profile = two_blocks()
+    link = Rates(link=6 * MiB / (1 / 3))  # the link moves 6 MiB during forward
+    plan = make_plan(profile, 9 * MiB, device="cuda", rates=link, recompute=False)
+    assert plan is not None
+    free = [c for c in plan.choices if c.kind == "host" and c.cost_s == 0]
+    assert [c.target for c in free] == ["a:MulBackward0#1"]  # the earliest; 4 MiB fits 6
+    assert plan.fits
+
+
+def test_plan_names_the_least_budget_it_can_reach() -> None:
+    plan = make_plan(two_blocks(), MiB // 2, recompute=True, rates=Rates(ratio=1.0))
+    assert plan is not None and not plan.fits
+    assert plan.held_bytes == 2 * MiB  # both recomputed: their inputs stay
+    assert plan.reachable_bytes == 4 * MiB  # and the largest tensor, while it is packed
+    assert "the least reachable" in plan.table()
+
+
+def test_plan_predicts_the_base_plus_what_it_costs() -> None:
+    profile = two_blocks()
+    plan = make_plan(profile, 9 * MiB)
+    assert plan is not None
+    assert plan.base_step_s == pytest.approx(1.0)  # a step that moved nothing
+    assert plan.predicted_step_s == pytest.approx(1.0 + 0.002)
+    # The real peak: the measured one less what the step held, plus the plan's,
+    # or more while backward recomputes "a" with nothing saved before it.
+    measured = profile.history[-1]
+    assert measured.peak_bytes is not None
+    other = measured.peak_bytes - measured.held_bytes
+    assert plan.predicted_peak_bytes == other + max(plan.held_bytes, MiB + 8 * MiB)
+
+
+def test_plan_learns_what_a_spill_cost_from_a_step_that_spilled() -> None:
+    profile = two_blocks()
+    # A second step spilled 8 MiB and took 0.4 s more than the first.
+    profile.history.append(StepRecord(0.5, 0.9, 8 * MiB, None, (), 0.0, {"disk": 8 * MiB}))
+    plan = make_plan(profile, 9 * MiB, recompute=False, rates=Rates(ratio=1.0))
+    assert plan is not None
+    assert plan.predicted_step_s == pytest.approx(1.0 + 0.4, rel=1e-6)
+
+
+# -- Auto following the plan ----------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x)))))
+
+
+class Net(nn.Module):
+    def __init__(self, depth: int = 4, width: int = 256) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return torch.nn.functional.cross_entropy(self.head(x), torch.arange(x.shape[0]) % 16)
+
+
+class Ticks:
+    """A clock that moves a microsecond each time it is read.
+
+    Module times then count the reads in a module, so recomputing a module
+    looks far cheaper than moving its bytes, whatever the machine's load.
+    """
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+
+def ticking() -> ts.Profile:
+    return ts.Profile(clock=Ticks())
+
+
+def fresh() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def data(rows: int = 512) -> torch.Tensor:
+    return torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+
+
+def activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    with ts.stash(ts.Keep()) as probe:
+        loss = model(x)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return int(probe.stats.to_dict()["tiers"]["kept"]["peak_bytes"])
+
+
+def train(
+    model: nn.Module, steps: int, policy: Any = None, profile: Any = None, **kw: Any
+) -> list[ts.Session]:
+    """SGD steps with dropout; a stash around each forward when ``policy`` is given."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sessions = []
+    for index in range(steps):
+        torch.manual_seed(100 + index)
+        x = data()
+        optimizer.zero_grad(set_to_none=True)
+        chosen = policy(index) if callable(policy) else policy
+        if chosen is None:
+            loss = model(x)
+        else:
+            with ts.stash(chosen, profile=profile, **kw) as session:
+                loss = model(x)
+            sessions.append(session)
+        loss.backward()
+        optimizer.step()
+    return sessions
+
+
+def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), f"{name} differs from plain training"
+
+
+def test_auto_recomputes_from_step_two_and_gives_every_module_back() -> None:
+    model = fresh()
+    budget = activation_bytes(model, data()) // 2
+    keys = list(model.state_dict())
+    calls: list[int] = []
+    model.blocks[1].register_forward_hook(lambda m, i, o: calls.append(1))
+    profile = ticking()
+    first, second = train(model, 2, ts.Auto(device_budget=budget), profile)
+    assert first.plan is None  # the first step measures
+    assert second.plan is not None and second.plan.recompute
+    assert all("forward" not in vars(m) for m in model.modules())  # restored at exit
+    assert list(model.state_dict()) == keys and len(calls) == 2  # hooks still run
+
+
+def test_auto_plan_trains_bitwise_with_dropout_while_the_plan_changes() -> None:
+    plain, stashed = fresh(), fresh()
+    train(plain, 6)
+    budget = activation_bytes(fresh(), data())
+    autos = [ts.Auto(device_budget=budget // 2), ts.Auto(device_budget=budget // 4)]
+    sessions = train(stashed, 6, lambda i: autos[i % 2], ticking())
+    plans = {s.plan.recompute for s in sessions if s.plan is not None}
+    assert len(plans) == 2  # two budgets, two plans, alternating
+    assert_same_weights(plain, stashed)
+
+
+def test_auto_plan_trains_bitwise_under_bf16_autocast() -> None:
+    plain, stashed = fresh(), fresh()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        train(plain, 4)
+        budget = activation_bytes(fresh(), data())
+        sessions = train(stashed, 4, ts.Auto(device_budget=budget // 3), ticking())
+    assert any(s.plan is not None and s.plan.recompute for s in sessions)
+    assert_same_weights(plain, stashed)
+
+
+def test_auto_holds_its_budget_after_the_first_step() -> None:
+    model = fresh()
+    budget = activation_bytes(model, data()) // 3
+    sessions = train(model, 4, ts.Auto(device_budget=budget), ticking(), record=True)
+    for session in sessions[1:]:
+        tiers = session.stats.to_dict()["tiers"]
+        largest = max(row["bytes"] for row in session.decisions)
+        assert tiers["kept"]["peak_bytes"] + tiers["host"]["peak_bytes"] <= budget + largest
+
+
+def test_auto_warns_once_naming_the_least_budget_it_can_hold() -> None:
+    model = fresh()
+    largest = 512 * 1024 * 4  # a session holds the tensor it packs: this one at least
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(model, 4, ts.Auto(device_budget=1024), ticking())
+    found = [w for w in caught if "cannot be held" in str(w.message)]
+    assert len(found) == 1 and f"device_budget >= {largest}" in str(found[0].message)
+
+
+def test_auto_without_recompute_only_moves_tensors() -> None:
+    model = fresh()
+    budget = activation_bytes(model, data()) // 2
+    sessions = train(model, 3, ts.Auto(device_budget=budget, recompute=False), ticking())
+    assert all(s.plan is None or not s.plan.recompute for s in sessions)
+    assert sessions[-1].stats.to_dict()["tiers"]["disk"]["tensors"] > 0
+
+
+def test_auto_never_recomputes_the_modules_named() -> None:
+    model = fresh()
+    budget = activation_bytes(model, data()) // 2
+    sessions = train(model, 3, ts.Auto(device_budget=budget, never_recompute="blocks.0"), ticking())
+    plan = sessions[-1].plan
+    assert plan is not None and plan.recompute
+    assert not any(path.startswith("blocks.0") for path in plan.recompute)
+    # By class: no Block (what is inside one may be).
+    sessions = train(model, 3, ts.Auto(device_budget=budget, never_recompute=("Block",)), ticking())
+    plan = sessions[-1].plan
+    assert plan is not None and plan.fits
+    assert not any(path.count(".") == 1 for path in plan.recompute)
+
+
+def test_auto_leaves_modules_already_checkpointed_alone() -> None:
+    model = fresh()
+    ts.recompute(model.blocks[0])
+    model.blocks[1].gradient_checkpointing = True
+    budget = activation_bytes(model, data()) // 3
+    sessions = train(model, 3, ts.Auto(device_budget=budget), ticking())
+    plan = sessions[-1].plan
+    assert plan is not None
+    assert not any(p.startswith(("blocks.0", "blocks.1")) for p in plan.recompute)
+    ts.unrecompute(model)
+    assert "forward" not in vars(model.blocks[0])
+
+
+def test_auto_plan_stays_out_of_evaluation_and_no_grad() -> None:
+    model = fresh()
+    budget = activation_bytes(model, data()) // 2
+    auto, profile = ts.Auto(device_budget=budget), ticking()
+    train(model, 2, auto, profile)
+    steps, state = profile.steps, profile.state_dict()
+    wrapped: list[bool] = []
+    hook = model.blocks[0].register_forward_pre_hook(
+        lambda m, a: wrapped.append("forward" in vars(m))
+    )
+    with torch.no_grad(), ts.stash(auto, profile=profile):
+        model(data())
+    model.eval()
+    with ts.stash(auto, profile=profile):
+        model(data()).backward()
+    model.train()
+    hook.remove()
+    assert wrapped == [False, False]
+    after = profile.state_dict()
+    del state["codec_methods"], after["codec_methods"]  # lz4's encodings, still true
+    assert profile.steps == steps and after == state
+
+
+def test_auto_plan_keeps_its_choice_when_timings_wobble() -> None:
+    model = fresh()
+    budget = activation_bytes(model, data()) // 2
+    sessions = train(
+        model, 8, ts.Auto(device_budget=budget), ts.Profile(clock=Ticks(), measure_steps=8)
+    )
+    plans = [s.plan.recompute for s in sessions if s.plan is not None]
+    assert len(set(plans[1:])) == 1, plans
+
+
+def test_unrecompute_undoes_recompute_modules() -> None:
+    model = fresh()
+    assert len(ts.recompute_modules(model, Block)) == 4
+    ts.unrecompute(model)
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+@pytest.fixture
+def gpt2() -> Iterator[Any]:
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    yield transformers.GPT2LMHeadModel(config)
+
+
+def test_auto_runs_a_hugging_face_model_without_its_kv_cache_while_recomputing(gpt2: Any) -> None:
+    ids = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(0))
+    plain = copy.deepcopy(gpt2)
+    plain(input_ids=ids, labels=ids).loss.backward()
+    with ts.stash(ts.Keep()) as probe:
+        loss = gpt2(input_ids=ids, labels=ids).loss
+    loss.backward()
+    gpt2.zero_grad(set_to_none=True)
+    budget = probe.stats.to_dict()["tiers"]["kept"]["peak_bytes"] // 3
+    profile, seen = ticking(), []
+    gpt2.transformer.h[0].register_forward_pre_hook(lambda m, a: seen.append(gpt2.config.use_cache))
+    for _ in range(3):
+        gpt2.zero_grad(set_to_none=True)
+        with ts.stash(ts.Auto(device_budget=budget), profile=profile) as session:
+            loss = gpt2(input_ids=ids, labels=ids).loss
+        loss.backward()
+    assert session.plan is not None and session.plan.recompute
+    assert seen == [False, False, False] and gpt2.config.use_cache is True
+    for (name, p), q in zip(plain.named_parameters(), gpt2.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_auto_plan_does_not_recompile_compiled_blocks_every_step() -> None:
+    from torch._dynamo.testing import CompileCounter
+
+    plain, model = fresh(), fresh()
+    budget = activation_bytes(model, data()) // 2
+    counter = CompileCounter()
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = torch.compile(block, backend=counter)
+    auto, profile = ts.Auto(device_budget=budget), ticking()
+    try:
+        train(model, 3, auto, profile)  # measures, then plans
+        frames = counter.frame_count
+        sessions = train(model, 4, auto, profile)
+    finally:
+        torch._dynamo.reset()
+    plans = {s.plan.recompute if s.plan else None for s in sessions}
+    assert len(plans) == 1 and next(iter(plans))  # one plan, recomputing blocks
+    assert all(path.startswith("blocks.") for path in next(iter(plans)))  # type: ignore[union-attr]
+    assert counter.frame_count == frames  # the same plan: nothing compiled again
+    train(plain, 3)
+    train(plain, 4)  # the same seeds as the two runs above
+    assert_same_weights(plain, model)
