@@ -241,6 +241,34 @@ def assert_went_to(session: Any, tier: str) -> None:
         assert counts[other] == 0, f"tensors reached tier {other!r}, expected {tier!r}:\n{table}"
 
 
+# -- several processes ------------------------------------------------------------------
+
+
+def run_ranks(
+    worker: Callable[[int, str, str], None], directory: Path, *, world: int, timeout_s: float
+) -> list[Any]:
+    """Run ``worker(rank, store_path, directory)`` on ``world`` spawned processes.
+
+    Each rank sets up its process group on the FileStore at ``store_path`` and
+    saves what it saw with ``torch.save`` to ``directory / f"rank{rank}.pt"``;
+    this returns those results, in rank order. Spawned processes are killed and
+    the test fails if the job is not done within ``timeout_s`` seconds (a rank
+    that dies leaves the others waiting in a collective).
+    """
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(
+        worker, args=(str(directory / "store"), str(directory)), nprocs=world, join=False
+    )
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the distributed job did not finish within {timeout_s} s")
+    return [torch.load(directory / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
 # -- leaks ------------------------------------------------------------------------------
 
 
