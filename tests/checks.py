@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -239,6 +240,24 @@ def assert_went_to(session: Any, tier: str) -> None:
     assert counts[tier] > 0, f"no tensor reached tier {tier!r}:\n{table}"
     for other in order[order.index(tier) + 1 :]:
         assert counts[other] == 0, f"tensors reached tier {other!r}, expected {tier!r}:\n{table}"
+
+
+# -- the README ---------------------------------------------------------------------------
+
+README = Path(__file__).parent.parent / "README.md"
+_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
+
+
+def readme_snippets() -> list[str]:
+    """The README's Python snippets, in order."""
+    return _BLOCK.findall(README.read_text())
+
+
+def readme_snippet(starting: str) -> str:
+    """The one README Python snippet whose code starts with ``starting``."""
+    found = [code for code in readme_snippets() if code.startswith(starting)]
+    assert len(found) == 1, f"the README has {len(found)} Python snippets starting {starting!r}"
+    return found[0]
 
 
 # -- several processes ------------------------------------------------------------------

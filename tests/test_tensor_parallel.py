@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import tempfile
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +26,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from checks import POLICY_SPECS, GradMap, assert_grads_equal, leak_check, run_ranks
+from checks import (
+    POLICY_SPECS,
+    GradMap,
+    assert_grads_equal,
+    leak_check,
+    readme_snippet,
+    run_ranks,
+)
 from torch import Tensor, nn
 
 import tensorstash as ts
@@ -383,6 +391,27 @@ def _changed_between_saves(through: str, policy: str | None, mesh: Any, spill: P
     return x.grad
 
 
+def _readme_snippet(rank: int, mesh: Any, spill: Path) -> dict[str, Any]:
+    """The README's tensor-parallel snippet run as shown, then plain autograd on its model."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+    batch = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+    namespace = {"mlp": mlp, "mesh": mesh, "batch": batch}
+    tempfile.tempdir = str(spill)  # where DiskSpill() makes its private directory
+    try:
+        exec(readme_snippet("from torch.distributed.tensor.parallel import"), namespace)
+    finally:
+        tempfile.tempdir = None
+    grads = _local_grads(mlp)
+    session, gathered = namespace["session"], namespace["gathered"]
+    return {
+        "grads": grads,
+        "expected": _step(mlp, batch, None, spill)["grads"],
+        "gathered": None if gathered is None else gathered.ranks,
+        "leaks": _leaks(session, spill),
+    }
+
+
 def _attempt(probe: Callable[..., Any], *args: Any) -> Any:
     """What ``probe(*args)`` returns, or its traceback (reported by the test that reads it)."""
     try:
@@ -414,6 +443,7 @@ def _worker(rank: int, store_path: str, out: str) -> None:
             for placement in (*PLACEMENTS, "mask-partial")
             for policy in ROUNDTRIP_POLICIES
         }
+        results["readme"] = _attempt(_readme_snippet, rank, mesh, spill)
         results["inplace"] = {p: _inplace(p, mesh, spill) for p in (None, *INPLACE_POLICIES)}
         results["changed"] = {
             (through, p): _attempt(_changed_between_saves, through, p, mesh, spill)
@@ -568,3 +598,11 @@ def test_dtensor_changed_between_saves_not_deduplicated(
     expected = _results(job, (through, None), "changed")
     for rank, actual in enumerate(_results(job, (through, policy), "changed")):
         assert torch.equal(expected[rank], actual), f"rank {rank}: the gradient differs"
+
+
+def test_readme_tensor_parallel_snippet(job: list[dict[str, Any]]) -> None:
+    first, second = _results(job, "readme")
+    for rank, result in enumerate((first, second)):
+        assert_grads_equal(result["expected"], result["grads"])
+        assert result["leaks"] is None, f"rank {rank}: {result['leaks']}"
+    assert second["gathered"] is None and len(first["gathered"]) == WORLD
