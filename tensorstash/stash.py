@@ -579,7 +579,7 @@ class Session(contextlib.ContextDecorator):
 
         ``wrapper`` is the DTensor when ``tensor`` is its local tensor (rule 9).
         """
-        # Rule 1: eligibility, the size first (most tensors are small) but for subclasses.
+        # Rule 1: eligibility; for a plain Tensor, the size first (most tensors are small).
         try:
             nbytes = tensor.nbytes
         except RuntimeError:  # sparse tensors have no plain size
