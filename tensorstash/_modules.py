@@ -8,7 +8,8 @@ Global module hooks are registered while any session is open. They:
 2. Remember (weakly) the storages of the parameters and buffers of every module
    that runs, so the session keeps them untouched. Buffers matter: BatchNorm
    saves its running statistics for backward and then updates them in place
-   within the same operation, without bumping their version.
+   within the same operation, without bumping their version. A DTensor
+   parameter's storage is its local tensor's (NOTE [ DTensor ] in _dtensor.py).
 3. Stay out of ``torch.compile``: while dynamo traces a module the hooks do
    nothing (dynamo cannot trace weak references, and would bake them into the graph
    if it could). A compiled region then counts as its outermost module, and its
@@ -35,6 +36,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
+from tensorstash import _dtensor
+
 _COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
 _local = threading.local()
 _names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
@@ -51,7 +54,12 @@ _state: dict[int, tuple[weakref.ref[Any], str]] = {}
 def _add(tensor: torch.Tensor, kind: str) -> None:
     key = tensor.data_ptr()
     if key == 0:
-        return  # no data (empty, meta): nothing a saved tensor could share
+        local = _dtensor.local_tensor(tensor)  # a DTensor's data is its local tensor's
+        if local is None:
+            return  # no data (empty, meta): nothing a saved tensor could share
+        tensor, key = local, local.data_ptr()
+        if key == 0:
+            return
     storage = tensor.untyped_storage()
     found = _state.get(key)
     if found is not None and found[0]() is storage:

@@ -6,8 +6,8 @@ Every tensor autograd saves inside ``with stash(policy):`` reaches
 :meth:`Session.unpack`. Around any policy the session applies these rules, in
 this order:
 
-1. Eligibility. Tensors under ``min_bytes`` (checked first: the most common
-   case, and the cheapest), parameters (and views or casts of them), other leaf
+1. Eligibility. Tensors under ``min_bytes`` (checked first, after the type:
+   the most common case, and the cheapest), parameters (and views or casts of them), other leaf
    tensors that require grad (the graph holds them anyway: moving them saves
    nothing), module buffers (see _modules.py: BatchNorm changes its saved
    running statistics in place without bumping their version), and tensors
@@ -41,6 +41,16 @@ this order:
    ``recompute``, in forward or while backward recomputes it) pushes nothing:
    the region's own hooks keep what it recomputes, and the session counts the
    pass in ``stats.inside_recompute``.
+9. Distributed tensors. A DTensor (tensor parallelism) wraps this rank's
+   local tensor and holds no data of its own. Rule 1 is asked of the DTensor
+   (a parameter, a view or cast of one, a leaf; a placement it cannot be
+   rebuilt with), counting its local tensor's bytes. Then pack runs rules 1 to
+   7 on the local tensor, as an alias that carries the DTensor's version
+   counter (so rules 2 and 3 see the version autograd checks), and
+   :class:`_Distributed` holds what that returned with the DTensor's spec;
+   unpack rebuilds the DTensor around the unpacked local tensor, without an
+   autograd op. Stats and the decision log count local bytes and shapes; a
+   row names the DTensor's op. See NOTE [ DTensor ] in _dtensor.py.
 
 # NOTE [ Recent window ]
 Backward starts with the tensors saved last (the output head, the loss):
@@ -69,7 +79,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tensorstash import _modules, _reasons
+from tensorstash import _dtensor, _modules, _reasons
 from tensorstash._names import POLICIES
 from tensorstash._names import resolve as _resolve
 from tensorstash._reasons import Reason, Why, reason
@@ -161,6 +171,10 @@ class _Kept:
         tensor = self.tensor
         return (tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, self.version)
 
+    def changed(self) -> bool:
+        """Whether the tensor changed in place since it was saved."""
+        return self.tensor._version != self.version
+
     def __del__(self) -> None:
         self.released.append(self.nbytes)
 
@@ -211,6 +225,10 @@ class _Saved:
         _, shape, dtype = self.origin
         return f"the tensor of shape {list(shape)} ({dtype}) saved by {self.where()}"
 
+    def changed(self) -> bool:
+        """Whether the saved tensor changed in place since it was saved."""
+        return self.counter._version != self.version
+
     def check_version(self) -> None:
         """Raise as autograd would if the saved tensor changed in place (rule 2)."""
         now = self.counter._version
@@ -239,6 +257,21 @@ def _version_counter(tensor: Tensor) -> Tensor:
     with torch.autograd._unsafe_preserve_version_counter(alias):
         alias.set_()  # type: ignore[call-overload]
     return alias
+
+
+class _Distributed:
+    """A DTensor packed as its local tensor (rule 9).
+
+    ``local`` is what pack returned for the local tensor (a tuple, a
+    :class:`_Kept` or a :class:`_Saved`), ``spec`` what rebuilds the DTensor
+    around it (None: the local tensor is what unpack returns).
+    """
+
+    __slots__ = ("local", "spec")
+
+    def __init__(self, local: Any, spec: Any) -> None:
+        self.local = local
+        self.spec = spec
 
 
 def _modified(tensor: Tensor, now: int, expected: int) -> RuntimeError:
@@ -327,6 +360,18 @@ def _subclass_reason(tensor: Tensor) -> Reason:
     return _reasons.PARAMETER if type(tensor) is _Parameter else _reasons.SUBCLASS
 
 
+def _distributed_reason(tensor: Tensor, part: _dtensor.Part) -> Reason | None:
+    """Why a DTensor of at least ``min_bytes`` is kept whole (rule 9), or None.
+
+    A parameter, a view or cast of one, a leaf that requires grad (asked of the
+    DTensor: its local tensor has no autograd history), or a placement or
+    local tensor it cannot be rebuilt with.
+    """
+    if isinstance(tensor, _Parameter):  # a DTensor parameter is a Parameter by a flag
+        return _reasons.PARAMETER
+    return _ineligible(tensor, tensor.grad_fn) or part.kept
+
+
 # -- rule 3 and rule 5 ------------------------------------------------------------------------
 
 
@@ -339,7 +384,10 @@ class _Dedupe:
     first and its address be reused, so it is trusted only while its storage is
     the tensor's (a weak reference, never a bare pointer alone). Values are held
     weakly and dead entries are swept as the table grows, so freeing a value
-    costs nothing here.
+    costs nothing here. A value whose tensor changed in place since is not
+    returned: tensors of one storage may count versions apart (a DTensor's
+    local alias and a plain view of the same data, rule 9), so an equal version
+    number alone does not prove equal data.
     """
 
     def __init__(self) -> None:
@@ -362,6 +410,8 @@ class _Dedupe:
             if value is None or value.geometry() != geometry:
                 continue
             if isinstance(value, _Saved) and value.storage() is not tensor.untyped_storage():
+                continue
+            if value.changed():  # through a tensor with another version counter (rule 9)
                 continue
             return value
         return None
@@ -536,13 +586,18 @@ class Session(contextlib.ContextDecorator):
 
     # Hooks ----------------------------------------------------------------------------
 
-    def pack(self, tensor: Tensor) -> Any:
-        """The pack hook: the rules of NOTE [ Session ], in order."""
-        # Rule 1: eligibility, the size first (most tensors are small).
+    def pack(self, tensor: Tensor, wrapper: Tensor | None = None) -> Any:
+        """The pack hook: the rules of NOTE [ Session ], in order.
+
+        ``wrapper`` is the DTensor when ``tensor`` is its local tensor (rule 9).
+        """
+        # Rule 1: eligibility; for a plain Tensor, the size first (most tensors are small).
         try:
             nbytes = tensor.nbytes
         except RuntimeError:  # sparse tensors have no plain size
             return self._untouched(tensor, _unsized_reason(tensor), nbytes_of(tensor))
+        if type(tensor) is not _Tensor:  # parameters, DTensors (rule 9), other subclasses
+            return self._pack_subclass(tensor, nbytes)
         grad_fn = tensor.grad_fn
         held = tensor
         if grad_fn is not None and grad_fn._sequence_nr() == _sequence_nr() - 1:
@@ -552,21 +607,20 @@ class Session(contextlib.ContextDecorator):
             hot.small_tensors += 1
             hot.small_bytes += nbytes
             if self.record:
-                self._log(tensor, "kept", nbytes, _reasons.UNDER_MIN_BYTES)
+                self._log(tensor, "kept", nbytes, _reasons.UNDER_MIN_BYTES, wrapper)
             return (held, tensor._version)
-        if type(tensor) is not _Tensor:
-            return self._untouched(tensor, _subclass_reason(tensor), nbytes)
         why = _ineligible(tensor, grad_fn)
         if why is not None:
-            return self._untouched(tensor, why, nbytes)
+            return self._untouched(tensor, why, nbytes, wrapper)
         try:
             address = tensor.data_ptr()
         except (RuntimeError, NotImplementedError):  # no storage: mkldnn, functorch wrappers
-            return self._untouched(tensor, _unusual(tensor) or _reasons.SUBCLASS, nbytes)
+            why = _unusual(tensor) or _reasons.SUBCLASS
+            return self._untouched(tensor, why, nbytes, wrapper)
         kind = _modules.state_kind(tensor, address) if address else None
         if kind is not None:
             why = _reasons.BUFFER if kind == "buffer" else _reasons.PARAMETER
-            return self._untouched(tensor, why, nbytes)
+            return self._untouched(tensor, why, nbytes, wrapper)
         # Rule 2 is in the values made below: each records the version.
         # Rule 3: dedupe.
         hot = self._hot
@@ -574,7 +628,7 @@ class Session(contextlib.ContextDecorator):
             hot.drain()
         found = self._dedupe.find(tensor, address) if nbytes else None
         if found is not None:
-            return self._deduplicated(tensor, found)
+            return self._deduplicated(tensor, found, wrapper)
         # Rule 4: choice.
         record = site = None
         if self.profile is not None and not saving_plan_inputs():
@@ -585,7 +639,7 @@ class Session(contextlib.ContextDecorator):
         if self._choose is not None:
             policy, why = self._choose(tensor, self._ctx, site)
         if type(policy) is not Keep or self.verify:
-            return self._pack(tensor, address, policy, why, record)
+            return self._pack(tensor, address, policy, why, record, wrapper)
         kept = _Kept(held, tensor._version, nbytes, hot.released, self._last)
         hot.tensors += 1
         hot.bytes += nbytes
@@ -594,7 +648,7 @@ class Session(contextlib.ContextDecorator):
             hot.peak = live + self._kept_tier.live_bytes
         self._dedupe.add(kept, address)
         if self.record:
-            self._log(tensor, "kept", nbytes, why or _policy_reason(policy))
+            self._log(tensor, "kept", nbytes, why or _policy_reason(policy), wrapper)
         return kept
 
     def unpack(self, saved: Any) -> Tensor:
@@ -614,6 +668,8 @@ class Session(contextlib.ContextDecorator):
                 self._prefetch_from(saved.prev)
             return tensor
         if kind is not _Saved:
+            if kind is _Distributed:  # rule 9
+                return _dtensor.rebuild(self.unpack(saved.local), saved.spec)
             raise bug(f"unpack received {type(saved).__name__}")
         return self._unpack(saved)
 
@@ -647,21 +703,42 @@ class Session(contextlib.ContextDecorator):
 
     # Internals -------------------------------------------------------------------------
 
-    def _deduplicated(self, tensor: Tensor, found: _Kept | _Saved) -> _Kept | _Saved:
+    def _deduplicated(
+        self, tensor: Tensor, found: _Kept | _Saved, wrapper: Tensor | None
+    ) -> _Kept | _Saved:
         """Rule 3: a value already packed for this storage, geometry and version."""
         self._stats.count_dedupe()
         if self.record:
             packed = found.packed if isinstance(found, _Saved) else None
             tier = packed.tier if isinstance(packed, Packed) else "kept"
-            self._log(tensor, tier, 0, _reasons.DEDUPLICATED)
+            self._log(tensor, tier, 0, _reasons.DEDUPLICATED, wrapper)
         return found
 
-    def _untouched(self, tensor: Tensor, why: Reason, nbytes: int) -> tuple[Tensor, int]:
+    def _untouched(
+        self, tensor: Tensor, why: Reason, nbytes: int, wrapper: Tensor | None = None
+    ) -> tuple[Tensor, int]:
         """Rule 1: keep ``tensor`` as it is, counted in ``stats.skipped``."""
         self._stats.skip(why, nbytes)
         if self.record:
-            self._log(tensor, "kept", nbytes, why)
+            self._log(tensor, "kept", nbytes, why, wrapper)
         return (_held(tensor), tensor._version)
+
+    def _pack_subclass(self, tensor: Tensor, nbytes: int) -> Any:
+        """Rule 1 for a tensor that is not a plain Tensor; rule 9 for a DTensor."""
+        part = _dtensor.local_part(tensor)
+        if part is None:
+            why = _reasons.UNDER_MIN_BYTES if nbytes < self.min_bytes else _subclass_reason(tensor)
+            return self._untouched(tensor, why, nbytes)
+        local = part.local
+        nbytes = nbytes_of(local)
+        small = nbytes < self.min_bytes
+        kept = _reasons.UNDER_MIN_BYTES if small else _distributed_reason(tensor, part)
+        if kept is not None:  # kept whole, counted and logged as its local tensor
+            self._stats.skip(kept, nbytes)
+            if self.record:
+                self._log(local, "kept", nbytes, kept, tensor)
+            return (_held(tensor), tensor._version)
+        return _Distributed(self.pack(_dtensor.alias(tensor, local), tensor), part.spec)
 
     def _pack(
         self,
@@ -670,11 +747,12 @@ class Session(contextlib.ContextDecorator):
         policy: Any,
         why: Reason | None,
         record: SiteRecord | None,
+        wrapper: Tensor | None,
     ) -> _Saved | tuple[Tensor, int]:
         """Rules 4 to 6 for a tensor a policy packs (or a selector defers)."""
         unusual = _unusual(tensor)
         if unusual is not None:
-            return self._untouched(tensor, unusual, tensor.nbytes)
+            return self._untouched(tensor, unusual, tensor.nbytes, wrapper)
         start = _perf_counter()
         deferred = policy if isinstance(policy, Defer) else None
         if deferred is not None:
@@ -684,7 +762,8 @@ class Session(contextlib.ContextDecorator):
         packed = policy.pack(tensor, self._ctx)
         saved = _Saved(policy, packed, tensor, self)
         if self.record and isinstance(packed, Packed):
-            row = self._log(tensor, packed.tier, packed.stored_bytes, why or _policy_reason(policy))
+            why = why or _policy_reason(policy)
+            row = self._log(tensor, packed.tier, packed.stored_bytes, why, wrapper)
             row.waiting = deferred is not None
             self._ctx.attach_row(packed, row)
         if self.verify:
@@ -730,8 +809,11 @@ class Session(contextlib.ContextDecorator):
         self._ctx.flush_warnings()
         return tensor
 
-    def _log(self, tensor: Tensor, tier: Any, stored: int, why: Reason) -> Decision:
-        grad_fn = tensor.grad_fn
+    def _log(
+        self, tensor: Tensor, tier: Any, stored: int, why: Reason, wrapper: Tensor | None = None
+    ) -> Decision:
+        """Log a row for ``tensor`` (a DTensor's local tensor: with its ``wrapper``'s op)."""
+        grad_fn = (tensor if wrapper is None else wrapper).grad_fn
         row = Decision(
             module=_modules.current(),
             op=type(grad_fn).__name__ if grad_fn is not None else None,

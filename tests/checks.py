@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -239,6 +240,52 @@ def assert_went_to(session: Any, tier: str) -> None:
     assert counts[tier] > 0, f"no tensor reached tier {tier!r}:\n{table}"
     for other in order[order.index(tier) + 1 :]:
         assert counts[other] == 0, f"tensors reached tier {other!r}, expected {tier!r}:\n{table}"
+
+
+# -- the README ---------------------------------------------------------------------------
+
+README = Path(__file__).parent.parent / "README.md"
+_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
+
+
+def readme_snippets() -> list[str]:
+    """The README's Python snippets, in order."""
+    return _BLOCK.findall(README.read_text())
+
+
+def readme_snippet(starting: str) -> str:
+    """The one README Python snippet whose code starts with ``starting``."""
+    found = [code for code in readme_snippets() if code.startswith(starting)]
+    assert len(found) == 1, f"the README has {len(found)} Python snippets starting {starting!r}"
+    return found[0]
+
+
+# -- several processes ------------------------------------------------------------------
+
+
+def run_ranks(
+    worker: Callable[[int, str, str], None], directory: Path, *, world: int, timeout_s: float
+) -> list[Any]:
+    """Run ``worker(rank, store_path, directory)`` on ``world`` spawned processes.
+
+    Each rank sets up its process group on the FileStore at ``store_path`` and
+    saves what it saw with ``torch.save`` to ``directory / f"rank{rank}.pt"``;
+    this returns those results, in rank order. Spawned processes are killed and
+    the test fails if the job is not done within ``timeout_s`` seconds (a rank
+    that dies leaves the others waiting in a collective).
+    """
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(
+        worker, args=(str(directory / "store"), str(directory)), nprocs=world, join=False
+    )
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the distributed job did not finish within {timeout_s} s")
+    return [torch.load(directory / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 # -- leaks ------------------------------------------------------------------------------

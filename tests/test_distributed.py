@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import zoo
-from checks import GradMap, assert_grads_equal, files_under, leak_check
+from checks import GradMap, assert_grads_equal, files_under, leak_check, run_ranks
 from torch import Tensor, nn
 
 import tensorstash as ts
@@ -211,19 +210,9 @@ def _worker(rank: int, store_path: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[dict[str, Any]], Path]]:
     """Run the job on 2 spawned ranks; each rank's results, and the job's directory."""
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("distributed")
     (out / "spill").mkdir()
-    context = mp.spawn(_worker, args=(str(out / "store"), str(out)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the distributed job did not finish within {TIMEOUT_S} s")
-    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    yield results, out
+    yield run_ranks(_worker, out, world=WORLD, timeout_s=TIMEOUT_S), out
 
 
 def _mode(job: tuple[list[dict[str, Any]], Path], mode: str) -> list[dict[str, Any]]:

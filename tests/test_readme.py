@@ -3,25 +3,13 @@
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-
-README = Path(__file__).parent.parent / "README.md"
-_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
-
-
-def _snippets() -> list[str]:
-    return _BLOCK.findall(README.read_text())
-
-
-def _snippet(starting: str) -> str:
-    found = [code for code in _snippets() if code.startswith(starting)]
-    assert len(found) == 1, f"the README has {len(found)} Python snippets starting {starting!r}"
-    return found[0]
+from checks import readme_snippet as _snippet
+from checks import readme_snippets as _snippets
 
 
 class _Loss(torch.nn.Module):
