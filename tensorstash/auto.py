@@ -316,7 +316,7 @@ class Auto:
         self, tensor: Tensor, ctx: Context, site: Any = None
     ) -> tuple[Policy | Defer, Reason]:
         """Where ``tensor`` goes, by the rules above, and why."""
-        return self.state(ctx).decide(tensor, site)
+        return self.state(ctx).choose(tensor, ctx, site)
 
     def pack(self, value: Tensor, ctx: Context) -> Any:
         return Select.pack(self, value, ctx)  # type: ignore[arg-type]
@@ -352,6 +352,12 @@ class _AutoState:
         self.budget = -1
         self.window = 0
         self.reserve = 0
+        self.keep_below = -1  # the budget less the recent window (rule 4)
+        self.keep_under_budget: Choice = (self.keep, _reasons.UNDER_BUDGET)
+        profile = ctx.profile
+        self.learning_now = profile is not None and profile.learning  # fixed for a step
+        self.headroom = 0
+        self.headroom_until = float("-inf")
         self.plan: Plan | None = None
         self.planned_for = False  # whether this step's plan was made
         self.recomputed: list[tuple[str, nn.Module]] = []
@@ -366,6 +372,7 @@ class _AutoState:
         one-time set-up (``warm_up``) happens here, outside the step.
         """
         profile = self.ctx.profile
+        self.learning_now = profile is not None and profile.learning
         if profile is not None and torch.is_grad_enabled():
             if self.auto.recompute and profile.steps:
                 warm_up()
@@ -469,14 +476,27 @@ class _AutoState:
 
     # The rules -----------------------------------------------------------------
 
-    def decide(self, tensor: Tensor, site: Any = None) -> Choice:
-        """The rules of :class:`Auto`, in order."""
+    def choose(self, tensor: Tensor, ctx: Any = None, site: Any = None) -> Choice:
+        """The rules of :class:`Auto`, in order.
+
+        The session calls this for every eligible tensor, so the common case is
+        answered first: with no plan (rule 1 cannot apply), outside a profile's
+        first step on the CPU (nor can rule 3), under the budget less the window
+        and with host RAM far from its reserve (nor can rule 2), rule 4 keeps it.
+        """
         if self.budget < 0:
             self._resolve_limits(tensor.device)
         nbytes = tensor.nbytes
         held = self.hot.live + self.kept.live_bytes + nbytes
-        if tensor.is_cpu:
+        on_host = tensor.is_cpu
+        if on_host:
             held += self.host.live_bytes  # host RAM is this tensor's device
+        if (
+            self.plan is None
+            and held <= self.keep_below
+            and not (on_host and (self.learning_now or nbytes > self._headroom()))
+        ):
+            return self.keep_under_budget
         return (
             self.planned(tensor, nbytes, held, site)
             or self.host_low(tensor, nbytes)
@@ -547,6 +567,14 @@ class _AutoState:
     def _host_available(self) -> int:
         return self.select._read("host", _HOST, self.auto.host_probe)[0]
 
+    def _headroom(self) -> int:
+        """Host RAM available over the reserve, read again every ``refresh_s``."""
+        now = self.auto.clock()
+        if now > self.headroom_until:
+            self.headroom = self._host_available() - self.reserve
+            self.headroom_until = now + self.select.refresh_s
+        return self.headroom
+
     def _resolve_limits(self, device: torch.device) -> None:
         api = "tensorstash.Auto"
         self.device_type = device.type
@@ -555,6 +583,7 @@ class _AutoState:
         parsed = None if budget is None else parse_bytes(budget, api, "device_budget")
         self.budget = free // 2 if parsed is None else _resolve_budget(parsed, total)
         self.window = self.budget // RECENT_SHARE
+        self.keep_below = self.budget - self.window
         reserve = parse_bytes(self.auto.host_reserve, api, "host_reserve")
         self.reserve = _resolve_budget(reserve, self.auto.host_probe(_HOST)[1])
 

@@ -546,6 +546,10 @@ class Session(contextlib.ContextDecorator):
         _modules.track()
         begin = getattr(self.policy, "begin", None)
         self._planner = begin(self._ctx) if begin is not None else None
+        # The step's own choose (Auto's state), bound once: rule 4 runs per tensor.
+        self._choose = getattr(self._planner, "choose", None) or getattr(
+            self.policy, "choose", None
+        )
         self._step = self.profile.begin(self._ctx, self.min_bytes) if self.profile else None
         self._unpack_hook = self.unpack if self._step is None else self._unpack_first
         torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self._unpack_hook)

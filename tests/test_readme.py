@@ -29,7 +29,14 @@ def _namespace() -> dict[str, Any]:
     """What the snippets take from the reader's program: a model, a batch, a loader."""
     torch.manual_seed(0)
     batch = torch.randn(512, 64)
-    return {"model": _Loss(), "batch": batch, "loader": [batch, batch.flip(0)]}
+    model = _Loss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    return {
+        "model": model,
+        "batch": batch,
+        "loader": [batch, batch.flip(0)],
+        "optimizer": optimizer,
+    }
 
 
 def test_readme_snippets_are_found() -> None:
@@ -48,11 +55,13 @@ def test_opening_snippet(private_tmp: Path, capsys: pytest.CaptureFixture[str]) 
     assert [path for path in private_tmp.rglob("*") if path.is_file()] == []  # spill files gone
 
 
-def test_profile_snippet(private_tmp: Path) -> None:
+def test_profile_snippet(private_tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
     namespace = _namespace()
     exec("import tensorstash as ts\n" + _snippet("profile = ts.Profile()"), namespace)
     assert namespace["profile"].steps == 2  # two steps measured; the second planned from the first
     assert all(p.grad is not None for p in namespace["model"].parameters())
+    table = capsys.readouterr().out  # the plan: the model fits its 8 GiB, nothing moves
+    assert table.startswith("budget 8.0 GiB") and "nothing to move" in table
 
 
 def test_decision_log_snippet(private_tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
