@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from tensorstash import _plot, bench
+from tensorstash import bench
+from tensorstash.bench import plot as _plot
 
 
 def _policy_list(text: str) -> list[str]:

@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from tensorstash import _plot, bench
+from tensorstash import bench
+from tensorstash.bench import plot as _plot
+from tensorstash.bench import rounds
 from tensorstash.cli import _progress_bar, main
 
 LOSSLESS = ["none", "keep", "cpu", "lz4", "disk", "lz4+disk", "save_on_cpu"]
@@ -206,12 +208,12 @@ def test_bench_auto_budget_row_has_a_twin_without_a_plan(
 
 
 def test_twins_run_beside_their_variant_in_turn_first() -> None:
-    every = bench._with_twins(["none", "auto:8MiB", "lz4"], steps=2)
+    every = rounds._with_twins(["none", "auto:8MiB", "lz4"], steps=2)
     twin = "auto:8MiB" + bench.NO_PLAN
     assert every == ["none", "auto:8MiB", twin, "lz4"]
-    assert bench._round_order(every, 0) == every
-    assert bench._round_order(every, 1) == ["none", twin, "auto:8MiB", "lz4"]
-    assert bench._with_twins(["none", "auto:8MiB"], steps=1) == ["none", "auto:8MiB"]
+    assert rounds._round_order(every, 0) == every
+    assert rounds._round_order(every, 1) == ["none", twin, "auto:8MiB", "lz4"]
+    assert rounds._with_twins(["none", "auto:8MiB"], steps=1) == ["none", "auto:8MiB"]
 
 
 def test_planned_steps_counts_the_twins() -> None:
@@ -354,10 +356,10 @@ def test_snapshot_round_records_each_policy_in_its_own_file(
     monkeypatch.setattr(cuda_memory, "_dump_snapshot", dump)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     workload = bench.builtin_workload("tiny", seed=0)
-    runner = bench._Bench(workload, torch.device("cpu"), torch.float32, seed=0)
+    runner = bench.StepRunner(workload, torch.device("cpu"), torch.float32, seed=0)
     runner.take_reference()
     ticks: list[str] = []
-    bench._snapshot_round(runner, ["none", "auto:1MiB"], tmp_path / "snap", ticks.append)
+    rounds._snapshot_round(runner, ["none", "auto:1MiB"], tmp_path / "snap", ticks.append)
     assert calls == [
         ("record", "all"),
         ("dump", "none.pickle"),

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tensorstash.bench import Row
+    from tensorstash.bench.report import Row
 
 MIB = 2**20
 TIER_STYLE = (
