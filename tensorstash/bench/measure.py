@@ -1,258 +1,177 @@
-"""Measuring one step: its time, its memory, its gradients (NOTE [ Fair comparison ], rules 2-5)."""
+"""One step of one variant: its time, its real memory, its gradients, the plan it ran.
+
+Rules 2, 4, 5 and 10 of NOTE [ Fair comparison ] (rounds.py) live here.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
-import sys
-import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 import tensorstash as ts
+from tensorstash.bench.memory import meter, return_free_memory
+from tensorstash.bench.timeline import Timeline
 from tensorstash.bench.variants import BASELINE, variant_context
 from tensorstash.bench.workloads import Workload, checked_loss, to_device
 
-
-def _current_rss() -> int:
-    """The process's resident set size in bytes."""
-    return int(psutil.Process().memory_info().rss)
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""``--dtype``: float32, or the forward under bfloat16 autocast (weights stay float32)."""
 
 
-def _high_water_rss() -> int | None:
-    """Linux's VmHWM, the process's peak resident set, or None where unavailable."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _reset_high_water_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-    except OSError:
-        return False
-    return _high_water_rss() is not None
-
-
-def return_free_memory() -> None:
-    """Collect garbage and hand glibc's free heap memory back to the OS (best effort)."""
-    gc.collect()
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-class PeakRss:
-    """Measures how far the resident set grows over a region.
-
-    Uses Linux's resettable high-water mark when it can, else samples
-    ``psutil`` RSS from a thread every millisecond (which may miss short peaks).
-
-    Example:
-        >>> with PeakRss() as meter:
-        ...     run_step()
-        >>> meter.delta_bytes
-    """
-
-    def __init__(self, interval_s: float = 0.001) -> None:
-        self.delta_bytes = 0
-        self._interval_s = interval_s
-        self._start = 0
-        self._sampled = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> PeakRss:
-        self._start = _current_rss()
-        if not _reset_high_water_rss():
-            self._sampled = self._start
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._thread is None:
-            peak = _high_water_rss() or _current_rss()
-        else:
-            self._stop.set()
-            self._thread.join()
-            peak = max(self._sampled, _current_rss())
-        self.delta_bytes = max(0, peak - self._start)
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            self._sampled = max(self._sampled, _current_rss())
-
-
-TIMELINE_TIERS = ("kept", "host", "disk")
-
-
-class Timeline:
-    """Live bytes per tier over one step, sampled at every module's forward and backward.
-
-    Each module's forward hook takes a sample when the module returns, and a
-    hook on its output's gradient takes one when backward reaches it, just
-    before its saved tensors are used and freed. A sample reads the live
-    bytes per tier of the stash session (none without one) and, on CUDA,
-    ``torch.cuda.memory_allocated`` above its value at the start of the step.
+@dataclass(frozen=True)
+class PlanReading:
+    """What the planner predicted for a step (``session.plan``; rule 6 of the NOTE).
 
     Attributes:
-        t_s: seconds since the step started, one per sample.
-        tiers: live bytes of "kept", "host" and "disk", one list each.
-        device: CUDA allocated bytes above the start, one per sample (None on the CPU).
-        backward_at_s: when backward started.
-        session: the stash session to read (set once it is open).
+        predicted_step_s: forward and backward seconds of a step with this plan.
+        predicted_peak_bytes: the real peak growth of such a step.
+        recompute: the module paths the plan recomputes.
     """
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
-        self.t_s: list[float] = []
-        self.tiers: dict[str, list[int]] = {tier: [] for tier in TIMELINE_TIERS}
-        self.device: list[int] | None = [] if device.type == "cuda" else None
-        self.backward_at_s = 0.0
-        self.session: Any = None
-        self._cuda = device if device.type == "cuda" else None
-        self._model = model
-        self._start = 0.0
-        self._base = 0
-        self._handles: list[Any] = []
+    predicted_step_s: float | None
+    predicted_peak_bytes: int | None
+    recompute: tuple[str, ...]
 
-    def __enter__(self) -> Timeline:
-        self._start = time.perf_counter()
-        if self._cuda is not None:
-            self._base = torch.cuda.memory_allocated(self._cuda)
-        self._handles = [m.register_forward_hook(self._forward) for m in self._model.modules()]
-        self.sample()
-        return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-    def sample(self) -> None:
-        """Record the live bytes now."""
-        self.t_s.append(time.perf_counter() - self._start)
-        tiers = None if self.session is None else self.session.stats.tiers
-        for name, values in self.tiers.items():
-            values.append(0 if tiers is None else int(tiers[name].live_bytes))
-        if self.device is not None and self._cuda is not None:
-            self.device.append(torch.cuda.memory_allocated(self._cuda) - self._base)
-
-    def backward_starts(self) -> None:
-        """Mark the end of forward."""
-        self.sample()
-        self.backward_at_s = self.t_s[-1]
-
-    def _forward(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        self.sample()
-        outputs = output if isinstance(output, tuple | list) else (output,)
-        for value in outputs:
-            if isinstance(value, Tensor) and value.requires_grad:
-                value.register_hook(self._backward)
-
-    def _backward(self, grad: Tensor) -> None:
-        self.sample()
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready copy: ``t_s``, one list per tier, ``device`` and ``backward_at_s``."""
-        return {
-            "t_s": [round(t, 6) for t in self.t_s],
-            **{name: list(values) for name, values in self.tiers.items()},
-            "device": None if self.device is None else list(self.device),
-            "backward_at_s": self.backward_at_s,
-        }
+def read_plan(session: Any) -> PlanReading | None:
+    """The plan a stash session ran under, or None (no session, or no planner yet)."""
+    plan = getattr(session, "plan", None)
+    if plan is None:
+        return None
+    step_s = getattr(plan, "predicted_step_s", None)
+    peak = getattr(plan, "predicted_peak_bytes", None)
+    return PlanReading(
+        None if step_s is None else float(step_s),
+        None if peak is None else int(peak),
+        tuple(getattr(plan, "recompute", ()) or ()),
+    )
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one step of one variant measured."""
+    """What one step of one variant measured.
+
+    Attributes:
+        seconds: forward and backward, wall clock.
+        grads_equal: every gradient bitwise equal to the reference (rule 4).
+        stats: the stash session's ``stats.to_dict()`` (None without a session).
+        peak_bytes: the real peak growth over the step (NOTE [ Real memory ]).
+        plan: the planner's prediction for the step, if it made one.
+        timeline: memory over the step (``--plot``), if recorded.
+    """
 
     seconds: float
     grads_equal: bool
     stats: dict[str, Any] | None
-    cuda_peak_bytes: int | None
+    peak_bytes: int
+    plan: PlanReading | None = None
     timeline: dict[str, Any] | None = None
 
 
 class StepRunner:
-    """The workload on its device, its weights and reference gradients, shared by every step."""
+    """The workload on its device, its weights and reference gradients, shared by every step.
+
+    Args:
+        workload: what to train; its model is moved to ``device``.
+        device: where it runs.
+        dtype: float32, or bfloat16 for a forward under autocast (rule 10).
+        seed: the RNG seed of every step (rule 2).
+    """
 
     def __init__(
         self, workload: Workload, device: torch.device, dtype: torch.dtype, seed: int
     ) -> None:
+        model = workload.model.to(device=device).train()
         self.workload = Workload(
-            workload.model.to(device=device, dtype=dtype).train(),
-            to_device(workload.batch, device, dtype),
+            model,
+            to_device(workload.batch, device),
             workload.blocks,
             workload.description,
+            workload.checkpointing,
+            workload.library_model,
         )
-        self.model = self.workload.model
-        self.initial = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.model = model
+        self.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.batch = self.workload.batch
         self.device = device
+        self.dtype = dtype
         self.seed = seed
         self.reference: list[Tensor | None] = []
         self.profiles: dict[str, ts.Profile] = {}
+        self.activation_bytes: int | None = None
 
-    def step(
-        self, name: str, *, meter: PeakRss | None = None, timeline: bool = False
-    ) -> StepResult:
+    def step(self, name: str, *, timeline: bool = False) -> StepResult:
         """Run one forward and backward under variant ``name`` and measure it.
 
         Args:
             name: the variant.
-            meter: when given, free heap memory is returned to the OS first and
-                the meter measures the step's resident memory (rule 3 of the NOTE).
-            timeline: record live bytes per tier over the step (:class:`Timeline`).
+            timeline: record memory over the step (:class:`~tensorstash.bench.timeline.Timeline`).
 
         Returns:
-            The step's time, gradient check, stash stats, CUDA peak and timeline.
+            The step's time, gradient check, stash stats, real peak, plan and timeline.
         """
         self._reset()
-        if meter is not None:
-            return_free_memory()
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+        return_free_memory()  # rule 3 of NOTE [ Real memory ]
         trace = Timeline(self.model, self.device) if timeline else None
-        with meter or contextlib.nullcontext(), trace or contextlib.nullcontext():
+        with meter(self.device) as measured, trace or contextlib.nullcontext():
             start = time.perf_counter()
-            with variant_context(name, self.workload, self.device, self.profiles) as session:
+            with variant_context(
+                name,
+                self.workload,
+                self.device,
+                self.profiles,
+                activation_bytes=self.activation_bytes,
+            ) as session:
                 if trace is not None:
                     trace.session = session
-                loss = checked_loss(self.model(*self.batch), self.workload)
+                with self._autocast():
+                    loss = checked_loss(self.model(*self.batch), self.workload)
                 if trace is not None:
                     trace.backward_starts()
                 loss.backward()
-            if cuda:
+            if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - start
             del loss
             if trace is not None:
                 trace.sample()
-        stats = None if session is None else session.stats.to_dict()
-        peak = torch.cuda.max_memory_allocated(self.device) if cuda else None
-        recorded = None if trace is None else trace.to_dict()
-        return StepResult(seconds, self._grads_equal(), stats, peak, recorded)
+        return StepResult(
+            seconds,
+            self._grads_equal(),
+            None if session is None else session.stats.to_dict(),
+            measured.delta_bytes,
+            read_plan(session),
+            None if trace is None else trace.to_dict(),
+        )
 
     def take_reference(self) -> None:
-        """Run plain autograd once and keep its gradients (rule 4 of the NOTE)."""
+        """Plain autograd's gradients, and the activation bytes of one step (rule 4 of the NOTE).
+
+        The activation bytes are what a ``Keep`` session counts as its kept
+        tier's peak: the eligible saved bytes (parameters, buffers and tensors
+        under ``min_bytes`` are skipped, not counted).
+        """
         self.step(BASELINE)
         self.reference = [_grad_copy(p) for p in self.model.parameters()]
+        stats = self.step("keep").stats
+        if stats is None:
+            raise RuntimeError("tensorstash bench: a keep step had no session (a bug)")
+        self.activation_bytes = int(stats["tiers"]["kept"]["peak_bytes"])
+
+    @contextlib.contextmanager
+    def _autocast(self) -> Iterator[None]:
+        """Rule 10: the forward under bfloat16 autocast, unless the run is float32."""
+        if self.dtype == torch.float32:
+            yield
+            return
+        with torch.autocast(self.device.type, dtype=self.dtype):
+            yield
 
     def _reset(self) -> None:
         """Same weights, no gradients, same RNG state (rule 2 of the NOTE)."""
@@ -274,9 +193,6 @@ class StepRunner:
 def _grad_copy(parameter: Tensor) -> Tensor | None:
     """A detached copy of ``parameter.grad`` (None if it has none)."""
     return None if parameter.grad is None else parameter.grad.detach().clone()
-
-
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -306,3 +222,8 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
             f"tensorstash bench: dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}"
         )
     return DTYPES[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The ``--dtype`` name of ``dtype`` ("float32", "bfloat16")."""
+    return next(name for name, value in DTYPES.items() if value == dtype)

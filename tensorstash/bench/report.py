@@ -1,173 +1,74 @@
-"""The bench's results: one Row per variant, and the table."""
+"""The bench's table: real peak first, time, the planner's prediction, the stash's counts."""
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from tensorstash.bench.variants import AUTO_PREFIX
-from tensorstash.stats import human_bytes
-
-
-@dataclass(frozen=True)
-class Row:
-    """One variant's result (see NOTE [ Fair comparison ] for how it is measured).
-
-    Attributes:
-        policy: the variant's name.
-        peak_bytes: CPU: the most activation bytes the stash held in RAM
-            ("kept" plus "host" tier peaks, rule 5 of the NOTE; None without a
-            stash session). CUDA: ``torch.cuda.max_memory_allocated`` over a step.
-        peak_rss_bytes: growth of the resident set over the variant's memory step.
-        step_s: median seconds of a forward and backward over the timed steps.
-        step_times: every timed step, in seconds, in order.
-        overhead: ``step_s`` over the ``step_s`` of "none".
-        grads_equal: every step's gradients bitwise equal to plain autograd's.
-        tiers: the stash's per-tier counters of the last step (None without a session).
-        compression_ratio: original over stored bytes of what left the device
-            (None without a session).
-        step_overheads: each timed step over the step of "none" in the same round.
-        step_peak_bytes: each timed step's peak, as ``peak_bytes`` measures it.
-        no_plan_step_times: ``auto:<budget>`` rows, with two timed steps or
-            more: each timed step of the same Auto without a plan (a fresh
-            Profile every step), run in the same rounds (rule 6 of the NOTE).
-        no_plan_peak_bytes: the peak of each of those steps.
-        timeline: live bytes per tier over one untimed step (see :class:`Timeline`),
-            when the bench was asked for timelines; else None.
-    """
-
-    policy: str
-    peak_bytes: int | None
-    peak_rss_bytes: int
-    step_s: float
-    step_times: tuple[float, ...]
-    overhead: float
-    grads_equal: bool
-    tiers: dict[str, dict[str, int]] | None
-    compression_ratio: float | None
-    step_overheads: tuple[float, ...] = ()
-    step_peak_bytes: tuple[int | None, ...] = ()
-    no_plan_step_times: tuple[float, ...] = ()
-    no_plan_peak_bytes: tuple[int | None, ...] = ()
-    timeline: dict[str, Any] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every field."""
-        data = asdict(self)
-        for name in _SEQUENCES:
-            data[name] = list(data[name])
-        return data
-
-    def plan_effect(self) -> PlanEffect | None:
-        """Rule 6 of the NOTE: this row's steps 2 on against its twin without a plan.
-
-        None unless an ``auto:<budget>`` row has two timed steps or more and
-        its twin's steps.
-        """
-        count = len(self.step_times)
-        twin = self.no_plan_step_times
-        if not self.policy.startswith(AUTO_PREFIX) or count < 2 or len(twin) != count:
-            return None
-        mine = self.step_times[1:]
-        return PlanEffect(
-            steps=count,
-            ratio=statistics.median(a / b for a, b in zip(mine, twin[1:], strict=True)),
-            step_s=statistics.median(mine),
-            no_plan_step_s=statistics.median(twin[1:]),
-            peak_bytes=_largest(self.step_peak_bytes[1:]),
-            no_plan_peak_bytes=_largest(self.no_plan_peak_bytes[1:]),
-        )
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Row:
-        """The row :meth:`to_dict` wrote (e.g. read back from ``--json``)."""
-        fields = dict(data)
-        for name in _SEQUENCES:
-            fields[name] = tuple(fields.get(name, ()))
-        return cls(**fields)
-
-
-@dataclass(frozen=True)
-class PlanEffect:
-    """Auto following its plan against its twin without one (see :meth:`Row.plan_effect`).
-
-    Attributes:
-        steps: the timed steps; the comparison covers steps 2 to ``steps``.
-        ratio: median over those steps of the row's step over its twin's, same round.
-        step_s, no_plan_step_s: median step time of each over those steps.
-        peak_bytes, no_plan_peak_bytes: largest known peak of each over those steps.
-    """
-
-    steps: int
-    ratio: float
-    step_s: float
-    no_plan_step_s: float
-    peak_bytes: int | None
-    no_plan_peak_bytes: int | None
-
-
-def _largest(peaks: Sequence[int | None]) -> int | None:
-    known = [peak for peak in peaks if peak is not None]
-    return max(known) if known else None
-
-
-_SEQUENCES = (
-    "step_times",
-    "step_overheads",
-    "step_peak_bytes",
-    "no_plan_step_times",
-    "no_plan_peak_bytes",
-)
-
-
-# -- the table -----------------------------------------------------------------------
+from tensorstash.bench.rows import Row, pareto_front
+from tensorstash.bench.variants import is_relative
+from tensorstash.stats import TIERS, human_bytes
 
 _HEADERS = (
     "policy",
-    "peak memory",
-    "peak RSS +",
-    "kept / host / disk",
-    "ratio",
+    "real peak +",
+    "vs none",
     "step",
     "overhead",
+    "predicted step",
+    "predicted peak",
+    "stash peak kept / host / disk",
+    "ratio",
     "grads equal",
 )
-_LEFT = {0, 3}
+_LEFT = {0, 7}
 
 
 def _cells(row: Row) -> list[str]:
-    """A row's table cells, in the order of ``_HEADERS``."""
-    if row.tiers is None:
-        tiers = "-"
-    else:
-        tiers = " / ".join(human_bytes(row.tiers[t]["bytes"]) for t in ("kept", "host", "disk"))
+    """A measured row's table cells, in the order of ``_HEADERS``."""
+    stash = "-"
+    if row.stash_peak_bytes is not None:
+        stash = " / ".join(human_bytes(row.stash_peak_bytes[tier]) for tier in TIERS)
     return [
         row.policy,
-        _human(row.peak_bytes),
-        human_bytes(row.peak_rss_bytes),
-        tiers,
-        "-" if row.compression_ratio is None else f"{row.compression_ratio:.2f}x",
+        _human(row.real_peak_bytes),
+        _times(row.peak_vs_none),
         f"{row.step_s:.3f} s",
-        f"{row.overhead:.2f}x",
+        _times(row.overhead),
+        _predicted(row.predicted_step_s, row.step_over_predicted, lambda s: f"{s:.3f} s"),
+        _predicted(row.predicted_peak_bytes, row.peak_over_predicted, human_bytes),
+        stash,
+        "-" if row.compression_ratio is None else f"{row.compression_ratio:.2f}x",
         "yes" if row.grads_equal else "NO",
     ]
 
 
-def format_table(rows: Sequence[Row], *, device: str | torch.device = "cpu") -> str:
-    """The rows as an aligned plain-text table, one line per policy, with a legend.
+def _predicted(value: float | None, ratio: float | None, show: Callable[[Any], str]) -> str:
+    """A prediction and, in brackets, the measurement over it."""
+    if value is None:
+        return "-"
+    text = show(value)
+    return text if ratio is None else f"{text} ({ratio:.2f}x)"
+
+
+def format_table(
+    rows: Sequence[Row], *, device: str | torch.device = "cpu", legend: bool = True
+) -> str:
+    """The rows as an aligned plain-text table, one line per policy, and notes under it.
 
     Args:
-        rows: results of :func:`run_bench`.
-        device: where they were measured (changes what "peak memory" means).
+        rows: results of :func:`~tensorstash.bench.run_bench` (one dtype).
+        device: where they were measured (changes what "real peak" means).
+        legend: add the lines that say what each column measures.
 
     Returns:
         The table, without a trailing newline.
     """
-    table = [list(_HEADERS), *(_cells(row) for row in rows)]
+    measured = [row for row in rows if row.skipped is None]
+    table = [list(_HEADERS), *(_cells(row) for row in measured)]
     widths = [max(len(line[i]) for line in table) for i in range(len(_HEADERS))]
     lines = [
         "  ".join(
@@ -177,51 +78,106 @@ def format_table(rows: Sequence[Row], *, device: str | torch.device = "cpu") -> 
         for line in table
     ]
     lines.insert(1, "-" * len(lines[0]))
-    lines.extend(_legend(torch.device(device)))
-    lines.extend(_learning(rows))
+    for row in rows:
+        if row.skipped is not None:
+            lines.append(f"{row.policy.ljust(widths[0])}  skipped: {row.skipped}")
+    lines.extend(_notes(rows))
+    if legend:
+        lines.extend(_legend(torch.device(device)))
     return "\n".join(lines)
+
+
+def _notes(rows: Sequence[Row]) -> list[str]:
+    """Budgets, the Pareto front, the plans' recomputed modules, plans against their twins."""
+    lines = [""]
+    front = pareto_front(rows)
+    if front:
+        names = ", ".join(row.policy for row in front)
+        lines.append(
+            f"Pareto front (no variant has both a lower real peak and a faster step): {names}"
+        )
+    budgets = [row for row in rows if row.budget_bytes is not None]
+    if budgets:
+        lines.append("budgets: " + "; ".join(_budget(row) for row in budgets))
+    for row in rows:
+        if row.plan_recompute:
+            lines.append(f"{row.policy}: the plan recomputes {', '.join(row.plan_recompute)}")
+    lines.extend(_learning(rows))
+    return lines
+
+
+def _budget(row: Row) -> str:
+    text = f"{row.policy} = {_human(row.budget_bytes)}"
+    if is_relative(row.policy) and row.activation_bytes is not None:
+        text += f" of {human_bytes(row.activation_bytes)} activations"
+    return text
 
 
 def _legend(device: torch.device) -> list[str]:
     """Lines under the table that say what each column measures."""
     if device.type == "cuda":
-        peak = "peak memory: torch.cuda.max_memory_allocated over a step, weights included"
+        real = "real peak +: torch.cuda.max_memory_allocated over a step, less the allocated bytes"
+        start = "    at its start (weights, gradients)"
     else:
-        peak = 'peak memory: most activation bytes a stash held in RAM at once ("kept" + "host")'
+        real = "real peak +: growth of the resident set over a step (VmHWM), from a trimmed heap:"
+        start = "    all the process held, bytes waiting for the disk writer included"
     return [
         "",
-        peak,
-        "peak RSS +: growth of resident memory over an untimed step, after trimming the heap",
-        "kept / host / disk: original bytes saved per tier; ratio: original / stored bytes moved",
-        "step: median of the timed steps (variants interleaved); overhead: step / step of none",
+        real,
+        start,
+        "vs none, overhead: median over the timed rounds of the ratio to none in the same round",
+        "step: median of the timed steps, forward + backward (variants interleaved)",
+        "predicted step / peak: the planner's prediction for the step (session.plan); in",
+        "    brackets the measurement over the prediction, median of same-step ratios",
+        "stash peak: most stored bytes the stash counted per tier (disk: from pack, bytes",
+        "    still in RAM waiting for the writer included); ratio: original / stored bytes moved",
         "grads equal: bitwise equal to plain autograd on every parameter, every step",
     ]
 
 
 def _learning(rows: Sequence[Row]) -> list[str]:
-    """Lines on ``auto:<budget>`` rows: their plan against their twin without one (rule 6).
-
-    Plain "auto" is left out: on the CPU its default budget keeps everything,
-    so its plan changes nothing.
-    """
+    """Lines on ``auto:<budget>`` rows run with twins: their plan against no plan (rule 6)."""
     lines: list[str] = []
     for row in rows:
         effect = row.plan_effect()
         if effect is None:
             continue
-        span = "step 2" if effect.steps == 2 else f"steps 2-{effect.steps}"
         lines.append(
-            f"{row.policy}: {span}, step time {effect.ratio:.2f}x that without a plan "
-            f"(median of same-round ratios); peak {_human(effect.peak_bytes)} "
-            f"against {_human(effect.no_plan_peak_bytes)} without"
+            f"{row.policy}: step time {effect.ratio:.2f}x that without a plan over "
+            f"{effect.steps} rounds (median of same-round ratios); real peak "
+            f"{human_bytes(effect.peak_bytes)} against {human_bytes(effect.no_plan_peak_bytes)}"
         )
     if lines:
         lines[:0] = [
-            "",
-            "Auto planning from its Profile (step 1 has no plan yet), against the same Auto",
-            "without a plan (a fresh Profile every step), run in the same rounds:",
+            "Auto planning from its Profile against the same Auto without a plan (a fresh",
+            "Profile every step), run beside it in the same rounds:",
         ]
     return lines
+
+
+def format_title(
+    description: str,
+    device: str | torch.device,
+    dtype: str,
+    rows: Sequence[Row],
+    *,
+    threads: int,
+    warmup: int,
+) -> str:
+    """The line above a table: the model, the machine, the dtype, the activations, the rounds."""
+    mode = "bfloat16 autocast" if dtype == "bfloat16" else dtype
+    measured = [row for row in rows if row.skipped is None]
+    rounds = len(measured[0].step_times) if measured else 0
+    activations = next((row.activation_bytes for row in rows if row.activation_bytes), None)
+    parts = [description, f"{torch.device(device).type} {mode}", f"{threads} threads"]
+    if activations is not None:
+        parts.append(f"activations {human_bytes(activations)} per step")
+    parts.append(f"medians of {rounds} timed round(s) after {warmup} warm-up round(s)")
+    return ", ".join(parts)
+
+
+def _times(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.2f}x"
 
 
 def _human(nbytes: int | None) -> str:

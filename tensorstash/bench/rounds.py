@@ -1,41 +1,43 @@
-"""The embedded model and the measurements behind ``tensorstash bench``.
+"""The rounds of ``tensorstash bench``: every variant, interleaved, measured alike.
 
 # NOTE [ Fair comparison ]
 Every variant (no stash, each policy, each peer) runs in one process on one
 model, and the numbers are only comparable if nothing but the variant differs:
 
-1. Variants are interleaved step by step (A B C A B C ...), so a burst of
-   machine noise hits every variant alike instead of one variant's steps.
+1. Variants are interleaved step by step (A B C, B C A, C A B, ...): a burst of
+   machine noise hits every variant of a round alike, and each round starts
+   one variant further along, so none always runs first or after the same one.
 2. Every step starts from the same weights (a ``state_dict`` copy is
    restored), the same batch and the same RNG seed (dropout masks), so
    a lossless variant must produce gradients bitwise equal to plain autograd.
-3. The first rounds are untimed: a warm-up round runs one-time work (lazy
-   imports, thread pools, kernel caches), then one round measures the resident
-   memory of a step, after free heap memory has been returned to the
-   operating system (see rule 5). Later rounds are timed and reported as a
-   median, with the heap left warm as in a training loop.
-4. The reference gradients come from one plain-autograd step taken before
-   the first round; "none" is compared against them as well, which checks that
-   the step itself is deterministic.
-5. Memory is reported two ways, because no single CPU number covers all
-   variants. ``peak_bytes``: on the CPU, the most bytes a stash session held
-   in RAM, the sum of the "kept" and "host" tier peaks from its stats (tiers
-   peak at different moments, so this is an upper bound when both hold
-   bytes; tensors the session skipped, such as parameters and tensors under
-   ``min_bytes``, are not in it), ``None`` for variants without a session; on
-   CUDA, ``torch.cuda.max_memory_allocated`` over the step, for every variant.
-   ``peak_rss_bytes``: the growth of the process's resident set over rule 3's
-   memory step, for every variant. glibc keeps freed memory in its heap, so
-   without rule 3's trim a step would reuse it and show no growth at all.
-6. Variants that run ``Auto`` learn a :class:`~tensorstash.Profile` across
-   their steps. Its profile starts afresh at the first timed round, so the
-   first timed step shows Auto without a plan and the later ones Auto
-   following the plan learned from the step before (``step_times``). One
-   step against another is noise on a busy machine, so each ``auto:<budget>``
-   variant also has a twin run in the same rounds that never plans (a fresh
-   Profile every step): the plan's effect is the median, over the steps that
-   follow a plan, of the variant's step over its twin's in the same round
-   (``no_plan_step_times``). The two run side by side, in turn first.
+3. The first rounds are untimed warm-up (``warmup``, 2 by default): one-time
+   work (lazy imports, thread pools, kernel caches), and Auto's learning steps
+   (rule 6). Every later round is timed.
+4. Before the first round, one plain-autograd step gives the reference
+   gradients ("none" is compared against them too, which checks that the
+   step itself is deterministic), and one ``Keep`` step gives the model's
+   activation bytes: the eligible bytes a step saves, the kept tier's peak
+   (parameters, buffers and tensors under ``min_bytes`` are skipped, not
+   counted), the base of ``auto:<n>%`` budgets.
+5. Memory is measured on every timed step, as NOTE [ Real memory ] in
+   memory.py says: the real peak growth (resident set on the CPU, from a
+   trimmed heap; ``max_memory_allocated`` on CUDA) is the headline. What the
+   stash counted per tier is a secondary figure: tiers peak at different
+   moments, skipped tensors are not in it, and it is not what the process
+   held (the disk tier counts bytes from pack on, those still waiting for the
+   writer in RAM included). The trim before each step makes every variant
+   touch fresh pages in its timed step, as the acceptance checks do.
+6. Auto variants ("auto", ``auto:<budget>``, "recompute") each carry their own
+   :class:`~tensorstash.Profile` across all their steps, warm-up included: the
+   warm-up rounds are their learning steps (the planner applies its plan from
+   the second step; checks count from the third), so the timed rounds follow
+   the plan. With ``--warmup`` below 2, the first timed steps still learn.
+   The plan each step ran under (``session.plan``, where the planner exposes
+   one) is read after the step: its predicted step time and real peak are
+   compared with that step's measurement. With ``twins``, each
+   ``auto:<budget>`` variant also has a twin that never plans (a fresh Profile
+   every step), run beside it in every round, the two in turn first: the
+   plan's effect is the median of the variant's step over its twin's.
 7. Timelines (``--plot``) and allocator snapshots (``--memory-snapshot``)
    come from extra untimed rounds after the timed ones: their hooks cost time,
    so no timed step carries them.
@@ -44,92 +46,87 @@ model, and the numbers are only comparable if nothing but the variant differs:
    set to ":4096:8" unless the user set it), restored afterwards: some CUDA
    kernels (atomic adds in attention and embedding backward) give different
    bits on every run, and rule 4's check would then say nothing.
+9. Every ratio is the median over the timed rounds of a ratio inside one
+   round (overhead, real peak against none, a plan against its twin) or one
+   step (measured over predicted), never a ratio of medians: the rounds share
+   the machine's state, the medians do not.
+10. ``--dtype bfloat16`` runs the forward under bfloat16 autocast, weights and
+   gradients staying float32, the reference too. Each dtype is a run of its
+   own (reference, activation bytes, rounds); ``--sweep`` runs both.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
-import re
-import statistics
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from tensorstash.bench.measure import PeakRss, StepResult, StepRunner, resolve_device, resolve_dtype
-from tensorstash.bench.report import Row
+from tensorstash.bench.measure import (
+    DTYPES,
+    StepResult,
+    StepRunner,
+    dtype_name,
+    resolve_device,
+    resolve_dtype,
+)
+from tensorstash.bench.rows import Row, summarize
+from tensorstash.bench.snapshot import check_memory_snapshot, snapshot_round
 from tensorstash.bench.variants import (
     AUTO_PREFIX,
     BASELINE,
     DEFAULT_POLICIES,
     NO_PLAN,
+    SWEEP_POLICIES,
+    budget_bytes,
     check_blocks,
     resolve_policies,
+    skip_reason,
 )
 from tensorstash.bench.workloads import Workload, builtin_workload
 
-
-def check_memory_snapshot(device: str | torch.device) -> None:
-    """Raise ValueError unless ``device`` can record allocator snapshots (CUDA)."""
-    if torch.device(device).type != "cuda":
-        raise ValueError(
-            f"tensorstash bench: --memory-snapshot records the CUDA caching allocator's "
-            f"history and needs --device cuda (got {str(device)!r}); on the CPU use --plot "
-            "for live bytes per tier over a step"
-        )
-
-
-def snapshot_file(directory: Path, policy: str) -> Path:
-    """Where ``--memory-snapshot`` writes the snapshot of ``policy``: a safe file name."""
-    return directory / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', policy)}.pickle"
+Progress = Callable[[str], None]
+"""Called with the variant's name after every step."""
 
 
 def planned_steps(
     policies: Sequence[str],
     steps: int,
-    warmup: int = 1,
+    warmup: int = 2,
     *,
     timeline: bool = False,
     memory_snapshot: bool = False,
+    twins: bool = False,
+    device: str | torch.device = "cpu",
 ) -> int:
-    """How many steps :func:`run_bench` runs: the reference, untimed, timed and extra rounds."""
-    names = resolve_policies(policies)
-    rounds = warmup + 1 + steps + int(timeline) + int(memory_snapshot)
-    twins = len(_with_twins(names, steps)) - len(names)
-    return 1 + len(names) * rounds + twins * (warmup + 1 + steps)
+    """How many steps :func:`run_bench` runs: reference, warm-up, timed and extra rounds."""
+    names = _runnable(resolve_policies(policies), torch.device(device))
+    extra = int(timeline) + int(memory_snapshot)
+    twin_count = sum(len(group) - 1 for group in _groups(names, twins=twins))
+    return 2 + len(names) * (warmup + steps + extra) + twin_count * (warmup + steps)
 
 
-def _with_twins(names: Sequence[str], steps: int) -> list[str]:
-    """``names``, each ``auto:<budget>`` followed by its twin that never plans (rule 6).
-
-    Side by side in every round, the two run in the same state of the heap
-    and the page cache, whatever the variants before them left.
-    """
-    if steps < 2:  # no step follows a plan
-        return list(names)
-    every: list[str] = []
-    for name in names:
-        every.append(name)
-        if name.startswith(AUTO_PREFIX):
-            every.append(name + NO_PLAN)
-    return every
+def _runnable(names: list[str], device: torch.device) -> list[str]:
+    return [name for name in names if skip_reason(name, device) is None]
 
 
-def _round_order(every: list[str], index: int) -> list[str]:
-    """The variants of timed round ``index``: a twin goes first in every other round.
+def _groups(names: Sequence[str], *, twins: bool) -> list[list[str]]:
+    """The variants in run order, each ``auto:<budget>`` with its twin beside it (rule 6)."""
+    return [
+        [name, name + NO_PLAN] if twins and name.startswith(AUTO_PREFIX) else [name]
+        for name in names
+    ]
 
-    Whichever of two variants runs first pays for what the variant before
-    them left behind, so the pair alternates (rule 6 of the NOTE).
-    """
-    order = list(every)
-    if index % 2:
-        for position, name in enumerate(order):
-            if name.endswith(NO_PLAN):
-                order[position - 1], order[position] = name, order[position - 1]
+
+def round_order(groups: list[list[str]], index: int) -> list[str]:
+    """The variants of round ``index``: rotated by one per round (rule 1), twins in turn first."""
+    shift = index % len(groups) if groups else 0
+    order: list[str] = []
+    for group in groups[shift:] + groups[:shift]:
+        order.extend(reversed(group) if index % 2 else group)
     return order
 
 
@@ -141,48 +138,51 @@ def run_bench(
     dtype: str | torch.dtype = "float32",
     seed: int = 0,
     *,
-    warmup: int = 1,
-    progress: Callable[[str], None] | None = None,
+    warmup: int = 2,
+    progress: Progress | None = None,
     workload: Workload | None = None,
     timeline: bool = False,
     memory_snapshot: str | Path | None = None,
+    twins: bool = False,
 ) -> list[Row]:
-    """Train a model for a few steps under each policy and measure them.
+    """Train a model for a few steps under each variant and measure them.
 
     The variants are interleaved and compared as NOTE [ Fair comparison ]
     describes; "none" (plain autograd) is always run first, as the baseline.
 
     Args:
-        config_name: a key of :data:`CONFIGS`: "tiny", "small", "medium" or "large".
-        policies: names from :data:`ALL_POLICIES` or ``auto:<budget>``.
-        steps: timed steps per variant.
+        config_name: a built-in model: "tiny", "small", "medium", "large" or "gpt2-hf".
+        policies: names from ``ALL_POLICIES``, ``OPTIONAL_PEERS`` or ``auto:<budget>``.
+        steps: timed rounds.
         device: "cpu" or "cuda".
-        dtype: "float32" or "bfloat16": the model's parameter dtype.
+        dtype: "float32", or "bfloat16" for the forward under autocast (rule 10).
         seed: seeds the weights, the batch and dropout.
-        warmup: untimed warm-up steps per variant, before the one untimed step
-            that measures resident memory.
+        warmup: untimed rounds first, Auto's learning steps among them (rules 3, 6).
         progress: called with the variant's name after every step.
-        workload: a model of your own (see :func:`script_workload`) instead of
-            the embedded one; ``config_name`` is then unused.
-        timeline: run one more untimed step per variant that records live
-            bytes per tier (``Row.timeline``, for :func:`tensorstash.bench.plot.plot`).
+        workload: a model of your own (see ``script_workload``) instead of a
+            built-in one; ``config_name`` is then unused.
+        timeline: run one more untimed step per variant that records memory
+            over it (``Row.timeline``, for :func:`tensorstash.bench.plot.plot`).
         memory_snapshot: a directory: run one more untimed step per variant
             under ``torch.cuda.memory._record_memory_history`` and dump it to
             ``<directory>/<policy>.pickle`` for https://pytorch.org/memory_viz
             (CUDA only).
+        twins: run each ``auto:<budget>`` beside a twin that never plans (rule 6).
 
     Returns:
-        One :class:`Row` per variant, "none" first.
+        One :class:`Row` per variant, "none" first; optional peers that cannot
+        run here come back as skipped rows, with the reason.
 
     Raises:
         ValueError: an unknown model, policy or dtype, ``steps < 1``, CUDA
             requested without a CUDA device, a snapshot asked for off CUDA, or
             "checkpoint"/"recompute" asked for on a workload without blocks.
+        WorkloadUnavailable: "gpt2-hf" without transformers.
         ModelScriptError: the model does not return a scalar loss.
 
     Example:
-        >>> for row in run_bench("tiny", ["lz4", "disk"], steps=2):
-        ...     print(row.policy, row.overhead, row.grads_equal)
+        >>> for row in run_bench("tiny", ["lz4", "auto:50%"], steps=2):
+        ...     print(row.policy, row.real_peak_bytes, row.overhead, row.grads_equal)
     """
     names = resolve_policies(policies)
     if steps < 1 or warmup < 0:
@@ -197,8 +197,43 @@ def run_bench(
         workload = builtin_workload(config_name, seed)
     check_blocks(names, workload)
     with _deterministic(resolved_device):
-        bench = StepRunner(workload, resolved_device, resolved_dtype, seed)
-        return _rounds(bench, names, steps, warmup, progress, timeline, memory_snapshot)
+        runner = StepRunner(workload, resolved_device, resolved_dtype, seed)
+        rounds = _Rounds(runner, names, steps, warmup, twins, progress)
+        return rounds.run(timeline, memory_snapshot)
+
+
+def run_sweep(
+    config_name: str = "small",
+    steps: int = 8,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    *,
+    policies: Sequence[str] = SWEEP_POLICIES,
+    warmup: int = 2,
+    progress: Progress | None = None,
+    workload: Workload | None = None,
+    timeline: bool = False,
+) -> list[Row]:
+    """``tensorstash bench --sweep``: :func:`run_bench` in float32, then under bf16 autocast.
+
+    Runs Auto at 25, 50 and 75% of the activation bytes beside none,
+    checkpoint, recompute, save_on_cpu, cpu, lz4, disk and the default Auto,
+    and on a GPU the optional peers (:data:`~tensorstash.bench.variants.SWEEP_POLICIES`).
+    ``timeline`` records the float32 run's timelines only.
+
+    Returns:
+        The rows of both runs, float32 first (``Row.dtype`` tells them apart).
+    """
+    if workload is None:
+        workload = builtin_workload(config_name, seed)
+    rows: list[Row] = []
+    for index, dtype in enumerate(DTYPES):
+        rows += run_bench(
+            config_name, policies, steps, device, dtype, seed,
+            warmup=warmup, progress=progress, workload=workload,
+            timeline=timeline and index == 0,
+        )  # fmt: skip
+    return rows
 
 
 @contextlib.contextmanager
@@ -216,133 +251,74 @@ def _deterministic(device: torch.device) -> Iterator[None]:
         torch.use_deterministic_algorithms(before)
 
 
-def _rounds(
-    bench: StepRunner,
-    names: list[str],
-    steps: int,
-    warmup: int,
-    progress: Callable[[str], None] | None,
-    timeline: bool,
-    memory_snapshot: str | Path | None,
-) -> list[Row]:
-    """The rounds of :func:`run_bench`, in the order NOTE [ Fair comparison ] gives."""
-    tick = progress or (lambda name: None)
-    bench.take_reference()
-    tick(BASELINE)
-    every = _with_twins(names, steps)
-    untimed, rss = _untimed_rounds(bench, every, warmup, tick)
-    bench.profiles.clear()  # rule 6: Auto starts learning at the first timed step
-    timed: dict[str, list[StepResult]] = {name: [] for name in every}
-    for index in range(steps):  # rule 1: interleaved
-        for name in _round_order(every, index):
-            timed[name].append(bench.step(name))
-            tick(name)
-    traces: dict[str, dict[str, Any] | None] = dict.fromkeys(names)
-    if timeline:  # rule 7
-        for name in names:
-            traces[name] = bench.step(name, timeline=True).timeline
-            tick(name)
-    if memory_snapshot is not None:
-        _snapshot_round(bench, names, Path(memory_snapshot), tick)
-    baseline = [r.seconds for r in timed[BASELINE]]
-    rows = []
-    for name in names:
-        row = _row(name, untimed[name], timed[name], rss[name], baseline, traces[name])
+class _Rounds:
+    """One run's rounds, in the order NOTE [ Fair comparison ] gives."""
+
+    def __init__(
+        self,
+        runner: StepRunner,
+        names: list[str],
+        steps: int,
+        warmup: int,
+        twins: bool,
+        progress: Progress | None,
+    ) -> None:
+        self.runner = runner
+        self.names = names
+        self.runnable = _runnable(names, runner.device)
+        self.groups = _groups(self.runnable, twins=twins)
+        self.steps = steps
+        self.warmup = warmup
+        self.tick = progress or (lambda name: None)
+        self.dtype = dtype_name(runner.dtype)
+
+    def run(self, timeline: bool, memory_snapshot: str | Path | None) -> list[Row]:
+        self.runner.take_reference()  # rule 4
+        self.tick(BASELINE)
+        self.tick("keep")
+        warm = self._rounds(self.warmup)  # rule 3
+        timed = self._rounds(self.steps, first=self.warmup)  # rules 1, 5 and 6
+        traces: dict[str, StepResult] = {}
+        if timeline:  # rule 7
+            for name in self.runnable:
+                traces[name] = self.runner.step(name, timeline=True)
+                self.tick(name)
+        if memory_snapshot is not None:
+            snapshot_round(self.runner, self.runnable, Path(memory_snapshot), self.tick)
+        return [self._row(name, warm, timed, traces.get(name)) for name in self.names]
+
+    def _rounds(self, count: int, first: int = 0) -> dict[str, list[StepResult]]:
+        results: dict[str, list[StepResult]] = {n: [] for group in self.groups for n in group}
+        for index in range(first, first + count):
+            for name in round_order(self.groups, index):
+                results[name].append(self.runner.step(name))
+                self.tick(name)
+        return results
+
+    def _row(
+        self,
+        name: str,
+        warm: dict[str, list[StepResult]],
+        timed: dict[str, list[StepResult]],
+        trace: StepResult | None,
+    ) -> Row:
+        why = skip_reason(name, self.runner.device)
+        if why is not None:
+            return Row.skip(name, self.dtype, why)
+        activations = self.runner.activation_bytes
+        row = summarize(name, self.dtype, timed[name], timed[BASELINE], warm[name])
+        row = replace(
+            row,
+            activation_bytes=activations,
+            budget_bytes=budget_bytes(name, activations),
+            timeline=None if trace is None else trace.timeline,
+        )
         twin = timed.get(name + NO_PLAN)
-        if twin is not None:
-            checked = untimed[name + NO_PLAN] + twin
-            row = replace(
-                row,
-                grads_equal=row.grads_equal and all(r.grads_equal for r in checked),
-                no_plan_step_times=tuple(r.seconds for r in twin),
-                no_plan_peak_bytes=tuple(_peak_bytes([r]) for r in twin),
-            )
-        rows.append(row)
-    return rows
-
-
-def _untimed_rounds(
-    bench: StepRunner, names: list[str], warmup: int, tick: Callable[[str], None]
-) -> tuple[dict[str, list[StepResult]], dict[str, int]]:
-    """Rule 3 of the NOTE: warm-up rounds, then one round that measures resident memory.
-
-    Returns:
-        Each variant's untimed steps, and its resident memory growth in bytes.
-    """
-    results: dict[str, list[StepResult]] = {name: [] for name in names}
-    for _ in range(warmup):
-        for name in names:
-            results[name].append(bench.step(name))
-            tick(name)
-    rss: dict[str, int] = {}
-    for name in names:
-        meter = PeakRss()
-        results[name].append(bench.step(name, meter=meter))
-        rss[name] = meter.delta_bytes
-        tick(name)
-    return results, rss
-
-
-def _snapshot_round(
-    bench: StepRunner, names: list[str], directory: Path, tick: Callable[[str], None]
-) -> None:
-    """Rule 7 of the NOTE: one step per variant under the CUDA allocator's history."""
-    from torch.cuda import memory as cuda_memory
-
-    directory.mkdir(parents=True, exist_ok=True)
-    # Each file holds one step: the history of the step before is dropped where torch can.
-    fresh = "clear_history" in inspect.signature(cuda_memory._record_memory_history).parameters
-    options: dict[str, Any] = {"clear_history": True} if fresh else {}
-    for name in names:
-        torch.cuda.synchronize(bench.device)
-        cuda_memory._record_memory_history(max_entries=200_000, device=bench.device, **options)
-        try:
-            bench.step(name)
-            cuda_memory._dump_snapshot(str(snapshot_file(directory, name)))
-        finally:
-            cuda_memory._record_memory_history(enabled=None, device=bench.device)
-        tick(name)
-
-
-def _row(
-    name: str,
-    untimed: list[StepResult],
-    timed: list[StepResult],
-    rss_bytes: int,
-    baseline: list[float],
-    timeline: dict[str, Any] | None,
-) -> Row:
-    """Summarise a variant's steps (see ``Row`` for what each field means)."""
-    every = untimed + timed
-    step_s = statistics.median(r.seconds for r in timed)
-    baseline_s = statistics.median(baseline)
-    last = every[-1].stats
-    return Row(
-        policy=name,
-        peak_bytes=_peak_bytes(every),
-        peak_rss_bytes=rss_bytes,
-        step_s=step_s,
-        step_times=tuple(r.seconds for r in timed),
-        overhead=step_s / baseline_s if baseline_s > 0 else float("nan"),
-        grads_equal=all(r.grads_equal for r in every),
-        tiers=None if last is None else last["tiers"],
-        compression_ratio=None if last is None else float(last["compression_ratio"]),
-        step_overheads=tuple(
-            r.seconds / base if base > 0 else float("nan")
-            for r, base in zip(timed, baseline, strict=True)
-        ),
-        step_peak_bytes=tuple(_peak_bytes([r]) for r in timed),
-        timeline=timeline,
-    )
-
-
-def _peak_bytes(results: list[StepResult]) -> int | None:
-    """The largest peak over the steps (see ``Row.peak_bytes``)."""
-    peaks: list[int] = []
-    for result in results:
-        if result.cuda_peak_bytes is not None:
-            peaks.append(result.cuda_peak_bytes)
-        elif result.stats is not None:
-            tiers = result.stats["tiers"]
-            peaks.append(int(tiers["kept"]["peak_bytes"]) + int(tiers["host"]["peak_bytes"]))
-    return max(peaks) if peaks else None
+        if twin is None:
+            return row
+        return replace(
+            row,
+            grads_equal=row.grads_equal and all(r.grads_equal for r in warm[name + NO_PLAN] + twin),
+            no_plan_step_times=tuple(r.seconds for r in twin),
+            no_plan_peak_bytes=tuple(r.peak_bytes for r in twin),
+        )
