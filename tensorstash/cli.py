@@ -287,7 +287,13 @@ def _bench(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps([row.to_dict() for row in rows], indent=2) + "\n")
         print(f"wrote {len(rows)} rows to {args.json}", file=sys.stderr)
     if args.plot is not None:
-        _plot.plot(rows, args.plot, title=titles[0], device=args.device)
+        heading = titles[0]
+        if len(titles) > 1:
+            heading = (
+                f"{workload.description}, {args.device} float32 (timelines) and bfloat16 "
+                f"autocast, {torch.get_num_threads()} threads"
+            )
+        _plot.plot(rows, args.plot, title=heading, device=args.device)
         print(f"wrote the plot to {args.plot}", file=sys.stderr)
     if args.memory_snapshot is not None:
         print(

@@ -75,10 +75,12 @@ def plot(rows: Sequence[Row], path: str | Path, *, title: str = "", device: str 
     FigureCanvasAgg(figure)
     grid = figure.add_gridspec(grid_rows + 1, COLUMNS, height_ratios=[1] * grid_rows + [2.4])
     first: Any = None
+    top = max((_highest(row.timeline or {}) for row in traced), default=1.0)
     for index, row in enumerate(traced):
         axes = figure.add_subplot(grid[index // COLUMNS, index % COLUMNS], sharey=first)
         first = first or axes
         _timeline_panel(axes, row, cuda=cuda, labels=index % COLUMNS == 0)
+        axes.set_ylim(0, 1.05 * top)
     if traced:
         handles, labels = first.get_legend_handles_labels()
         figure.legend(handles, labels, loc="outside lower center", ncols=4, fontsize=8)
@@ -93,6 +95,12 @@ def _has_data(timeline: dict[str, Any]) -> bool:
     return bool(timeline.get("real")) or any(
         any(timeline.get(tier, ())) for tier, _, _ in TIER_STYLE
     )
+
+
+def _highest(timeline: dict[str, Any]) -> float:
+    """The most MiB a timeline panel shows: the stacked tiers or the real memory."""
+    stacked = [sum(values) for values in zip(*(timeline[t] for t, _, _ in TIER_STYLE), strict=True)]
+    return max([*stacked, *timeline.get("real", ()), 1]) / MIB
 
 
 def _timeline_panel(axes: Any, row: Row, *, cuda: bool, labels: bool) -> None:
@@ -115,13 +123,13 @@ def _timeline_panel(axes: Any, row: Row, *, cuda: bool, labels: bool) -> None:
     if labels:
         axes.set_ylabel("MiB above the start", fontsize=8)
     axes.set_xlim(0, max(times[-1], 1e-3))
-    axes.set_ylim(bottom=0)
 
 
 def _front_panel(axes: Any, rows: Sequence[Row], *, cuda: bool) -> None:
     """Real peak (MiB) against median step time (s): a point per variant and dtype, the fronts."""
     measured = [row for row in rows if row.skipped is None and row.real_peak_bytes is not None]
     times = [row.step_s for row in measured] or [1.0]
+    highest = max((_mib(row.real_peak_bytes) for row in measured), default=1.0) or 1.0
     placed: list[tuple[float, float]] = []
     for dtype in dict.fromkeys(row.dtype for row in measured):
         color, marker = DTYPE_STYLE.get(dtype, ("#555555", "^"))
@@ -138,7 +146,7 @@ def _front_panel(axes: Any, rows: Sequence[Row], *, cuda: bool) -> None:
             where="post", color=color, lw=1, alpha=0.6, label=f"Pareto front, {dtype}",
         )  # fmt: skip
         for row in mine:
-            _label(axes, row, placed, max(times))
+            _label(axes, row, placed, highest)
             _prediction(axes, row, color)
             _twin_arrow(axes, row, color)
     if len(measured) and max(times) > 4 * min(times):
@@ -152,14 +160,13 @@ def _front_panel(axes: Any, rows: Sequence[Row], *, cuda: bool) -> None:
     axes.set_ylim(bottom=0)
     axes.grid(alpha=0.3)
     axes.tick_params(labelsize=8)
-    axes.legend(fontsize=8, loc="upper right")
+    axes.legend(fontsize=8, loc="lower right")
 
 
-def _label(axes: Any, row: Row, placed: list[tuple[float, float]], slowest: float) -> None:
+def _label(axes: Any, row: Row, placed: list[tuple[float, float]], highest: float) -> None:
     """The variant's name by its point; labels of points close together are stacked upwards."""
     x, y = row.step_s, _mib(row.real_peak_bytes)
-    highest = max((v for _, v in placed), default=y) or 1.0
-    near = sum(abs(a - x) < 0.06 * slowest and abs(b - y) < 0.05 * highest for a, b in placed)
+    near = sum(abs(math.log(a / x)) < 0.08 and abs(b - y) < 0.04 * highest for a, b in placed)
     placed.append((x, y))
     axes.annotate(
         row.policy, (x, y), xytext=(4, 3 + 9 * near), textcoords="offset points", fontsize=8

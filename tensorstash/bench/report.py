@@ -98,19 +98,16 @@ def _notes(rows: Sequence[Row]) -> list[str]:
         )
     budgets = [row for row in rows if row.budget_bytes is not None]
     if budgets:
-        lines.append("budgets: " + "; ".join(_budget(row) for row in budgets))
+        text = ", ".join(f"{row.policy} = {_human(row.budget_bytes)}" for row in budgets)
+        activations = budgets[0].activation_bytes
+        if activations is not None and any(is_relative(row.policy) for row in budgets):
+            text += f" (n% of the {human_bytes(activations)} of activations a step saves)"
+        lines.append(f"budgets: {text}")
     for row in rows:
         if row.plan_recompute:
             lines.append(f"{row.policy}: the plan recomputes {', '.join(row.plan_recompute)}")
     lines.extend(_learning(rows))
     return lines
-
-
-def _budget(row: Row) -> str:
-    text = f"{row.policy} = {_human(row.budget_bytes)}"
-    if is_relative(row.policy) and row.activation_bytes is not None:
-        text += f" of {human_bytes(row.activation_bytes)} activations"
-    return text
 
 
 def _legend(device: torch.device) -> list[str]:

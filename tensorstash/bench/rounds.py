@@ -318,7 +318,8 @@ class _Rounds:
             return row
         return replace(
             row,
-            grads_equal=row.grads_equal and all(r.grads_equal for r in warm[name + NO_PLAN] + twin),
+            grads_equal=bool(row.grads_equal)
+            and all(r.grads_equal for r in warm[name + NO_PLAN] + twin),
             no_plan_step_times=tuple(r.seconds for r in twin),
             no_plan_peak_bytes=tuple(r.peak_bytes for r in twin),
         )

@@ -34,7 +34,8 @@ class Row:
             allocated memory on CUDA).
         peak_vs_none: median over the timed rounds of the real peak over that
             of "none" in the same round.
-        grads_equal: every step's gradients bitwise equal to plain autograd's.
+        grads_equal: every step's gradients bitwise equal to plain autograd's
+            (None for a skipped row: nothing was checked).
         tiers: the stash's per-tier counters of the last step (None without a session).
         stash_peak_bytes: per tier, the most stored bytes the stash counted at
             once over the timed steps: what it counted, not what the process
@@ -63,7 +64,7 @@ class Row:
     overhead: float
     real_peak_bytes: int | None
     peak_vs_none: float
-    grads_equal: bool
+    grads_equal: bool | None
     tiers: dict[str, dict[str, int]] | None = None
     stash_peak_bytes: dict[str, int] | None = None
     compression_ratio: float | None = None
@@ -85,7 +86,7 @@ class Row:
     @classmethod
     def skip(cls, policy: str, dtype: str, reason: str) -> Row:
         """The row of a variant that could not run here, and why."""
-        return cls(policy, dtype, NAN, NAN, None, NAN, grads_equal=True, skipped=reason)
+        return cls(policy, dtype, NAN, NAN, None, NAN, grads_equal=None, skipped=reason)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field (NaN, for what was not measured, as None)."""
