@@ -132,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=2,
         help="untimed rounds first; Auto learns its plan in them (default 2)",
     )
+    run.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch CPU threads (torch.set_num_threads; default: torch's own choice); on a "
+        "machine other jobs keep busy, fewer threads spin less against them",
+    )
     run.add_argument("--device", type=_device, choices=["cpu", "cuda"], default="cpu")
     run.add_argument(
         "--dtype",
@@ -257,6 +264,8 @@ def _run(
 def _bench(args: argparse.Namespace) -> int:
     if args.steps is None:
         args.steps = 8 if args.sweep else 3
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     try:
         workload, policies = _workload(args)
     except (ValueError, _plot.PlotUnavailable) as error:
@@ -291,7 +300,7 @@ def _bench(args: argparse.Namespace) -> int:
         if len(titles) > 1:
             heading = (
                 f"{workload.description}, {args.device} float32 (timelines) and bfloat16 "
-                f"autocast, {torch.get_num_threads()} threads"
+                f"autocast, {bench.report.threads_text(torch.get_num_threads())}"
             )
         _plot.plot(rows, args.plot, title=heading, device=args.device)
         print(f"wrote the plot to {args.plot}", file=sys.stderr)

@@ -340,6 +340,14 @@ def test_module_help_runs_in_a_subprocess() -> None:
     assert "--policies" in done.stdout and "--sweep" in done.stdout and "gpt2-hf" in done.stdout
 
 
+def test_bench_threads_option_sets_torch_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: [])
+    assert main(["bench", "--model", "tiny", "--threads", "1", "--policies", "lz4"]) == 0
+    assert calls == [1]
+
+
 def test_progress_bar_without_tqdm_is_a_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "tqdm", None)  # makes `import tqdm` raise ImportError
     with _progress_bar(2) as advance:
@@ -353,6 +361,15 @@ def test_planned_steps_counts_twins_extras_and_skips() -> None:
     assert bench.planned_steps(["auto:8MiB"], steps=3, warmup=2, twins=True) == 2 + 3 * 5
     assert bench.planned_steps(["lz4"], steps=1, warmup=0, timeline=True) == 2 + 2 * 2
     assert bench.planned_steps(["torchtune"], steps=3, warmup=2, device="cpu") == 2 + 5
+
+
+def test_planned_steps_is_what_run_bench_ticks() -> None:
+    ticks: list[str] = []
+    policies = ["lz4", "auto:1MiB", "trl"]
+    options: dict[str, Any] = {"steps": 1, "warmup": 1, "twins": True, "timeline": True}
+    bench.run_bench("tiny", policies, progress=ticks.append, **options)
+    assert len(ticks) == bench.planned_steps(policies, **options)
+    assert ticks.count("auto:1MiB" + bench.NO_PLAN) == 2 and "trl" not in ticks
 
 
 def test_round_order_rotates_and_twins_take_turns() -> None:

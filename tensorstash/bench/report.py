@@ -101,7 +101,7 @@ def _notes(rows: Sequence[Row]) -> list[str]:
         text = ", ".join(f"{row.policy} = {_human(row.budget_bytes)}" for row in budgets)
         activations = budgets[0].activation_bytes
         if activations is not None and any(is_relative(row.policy) for row in budgets):
-            text += f" (n% of the {human_bytes(activations)} of activations a step saves)"
+            text += f" (shares of the {human_bytes(activations)} of activations one step saves)"
         lines.append(f"budgets: {text}")
     for row in rows:
         if row.plan_recompute:
@@ -166,11 +166,16 @@ def format_title(
     measured = [row for row in rows if row.skipped is None]
     rounds = len(measured[0].step_times) if measured else 0
     activations = next((row.activation_bytes for row in rows if row.activation_bytes), None)
-    parts = [description, f"{torch.device(device).type} {mode}", f"{threads} threads"]
+    parts = [description, f"{torch.device(device).type} {mode}", threads_text(threads)]
     if activations is not None:
         parts.append(f"activations {human_bytes(activations)} per step")
     parts.append(f"medians of {rounds} timed round(s) after {warmup} warm-up round(s)")
     return ", ".join(parts)
+
+
+def threads_text(threads: int) -> str:
+    """``'1 thread'``, ``'2 threads'``: torch's CPU threads, for a title."""
+    return f"{threads} thread" if threads == 1 else f"{threads} threads"
 
 
 def _times(value: float) -> str:

@@ -51,8 +51,8 @@ model, and the numbers are only comparable if nothing but the variant differs:
    step (measured over predicted), never a ratio of medians: the rounds share
    the machine's state, the medians do not.
 10. ``--dtype bfloat16`` runs the forward under bfloat16 autocast, weights and
-   gradients staying float32, the reference too. Each dtype is a run of its
-   own (reference, activation bytes, rounds); ``--sweep`` runs both.
+    gradients staying float32, the reference too. Each dtype is a run of its
+    own (reference, activation bytes, rounds); ``--sweep`` runs both.
 """
 
 from __future__ import annotations
