@@ -75,7 +75,7 @@ def memory_info(stats: dict[str, Any] | None) -> dict[str, Any]:
         return {"peak_activation_bytes": None, "compression_ratio": None, "tiers": None}
     tiers = stats["tiers"]
     return {
-        # Rule 5 of NOTE [ Fair comparison ] in tensorstash/bench.py: kept + host tier peaks.
+        # What the stash counted (kept + host tier peaks), beside the real peak below.
         "peak_activation_bytes": tiers["kept"]["peak_bytes"] + tiers["host"]["peak_bytes"],
         "compression_ratio": stats["compression_ratio"],
         "tiers": {

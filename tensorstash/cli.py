@@ -1,7 +1,8 @@
 """The ``tensorstash`` command line: ``tensorstash bench`` and its options.
 
 Example:
-    $ tensorstash bench --model small --policies none,lz4,disk --steps 3 --json out.json
+    $ tensorstash bench --model small --policies none,lz4,auto:50% --steps 5 --json out.json
+    $ tensorstash bench --sweep --model tiny --plot sweep.png
     $ tensorstash bench --plot bench.png --model-script my_model.py:make
 """
 
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from tensorstash import _plot, bench
+from tensorstash import bench
+from tensorstash.bench import plot as _plot
 
 
 def _policy_list(text: str) -> list[str]:
@@ -24,7 +26,8 @@ def _policy_list(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
         raise argparse.ArgumentTypeError(
-            f"no policy in {text!r}; valid policies are {', '.join(bench.ALL_POLICIES)}"
+            f"no policy in {text!r}; valid policies are "
+            f"{', '.join((*bench.ALL_POLICIES, *bench.OPTIONAL_PEERS))} and auto:<budget>"
         )
     try:
         bench.resolve_policies(names)
@@ -63,6 +66,11 @@ def _non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+def _escaped(names: Sequence[str]) -> str:
+    """Names joined by commas for a help text, where argparse reads "%" as a format."""
+    return ", ".join(names).replace("%", "%%")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``tensorstash`` command."""
     parser = argparse.ArgumentParser(
@@ -72,18 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     run = commands.add_parser(
         "bench",
-        help="train a small embedded GPT under each policy and compare memory and time",
+        help="train a model under each policy and compare real memory and step time",
         description=(
-            "Train an embedded GPT-style model for a few steps under each policy (and "
-            "under no stash, torch's save_on_cpu and activation checkpointing), "
-            "interleaving them step by step, and print peak memory, activation bytes "
-            "per tier, step time, overhead against no stash, and whether the gradients "
-            "are bitwise equal to plain autograd."
+            "Train a model for a few steps under each policy (and under no stash, torch's "
+            "save_on_cpu and activation checkpointing), interleaving them step by step, and "
+            "print the real peak memory of a step, step time and overhead against no stash, "
+            "the planner's prediction for Auto, the bytes the stash counted per tier, and "
+            "whether the gradients are bitwise equal to plain autograd."
         ),
     )
     models = run.add_mutually_exclusive_group()
     models.add_argument(
-        "--model", choices=list(bench.CONFIGS), default="small", help="embedded model size"
+        "--model",
+        choices=list(bench.MODELS),
+        default="small",
+        help=f"a built-in model: the embedded GPT sizes, or {bench.HF_GPT2} (a 4-layer "
+        "GPT-2 from transformers, batch 4x128)",
     )
     models.add_argument(
         "--model-script",
@@ -91,33 +103,63 @@ def build_parser() -> argparse.ArgumentParser:
         help="bench a model of your own instead: FUNCTION() takes no arguments and returns "
         "(model, batch) or (model, batch, blocks); model(*batch) must return a scalar "
         "loss, batch is a tuple of the forward's arguments (the same every step; tensors "
-        "are moved to --device, floating-point ones cast to --dtype) and blocks, needed "
-        "by the checkpoint and recompute policies, is a module class or a list of "
-        "submodule names (see tensorstash.recompute_modules)",
+        "are moved to --device) and blocks, needed by the checkpoint and recompute "
+        "policies, is a module class or a list of submodule names (see "
+        "tensorstash.recompute_modules)",
     )
-    run.add_argument(
+    chosen = run.add_mutually_exclusive_group()
+    chosen.add_argument(
         "--policies",
         type=_policy_list,
         default=None,
-        help=f"comma-separated, from: {','.join(bench.ALL_POLICIES)} and auto:<budget> "
-        f"(default: {','.join(bench.DEFAULT_POLICIES)}; none is always run, as the baseline)",
+        help=f"comma-separated, from: {_escaped(bench.ALL_POLICIES)}, "
+        f"{_escaped(bench.OPTIONAL_PEERS)} (GPU) and auto:<budget>, the budget in bytes "
+        "(auto:8MiB) or a share of the model's activation bytes (auto:50%%) (default: "
+        f"{_escaped(bench.DEFAULT_POLICIES)}; none is always run, as the baseline)",
     )
-    run.add_argument("--steps", type=_positive_int, default=3, help="timed steps per policy")
+    chosen.add_argument(
+        "--sweep",
+        action="store_true",
+        help=f"run {_escaped(bench.SWEEP_POLICIES)} in float32 and under bfloat16 autocast "
+        "(the optional peers only on a GPU, where installed); --steps defaults to 8",
+    )
+    run.add_argument(
+        "--steps", type=_positive_int, default=None, help="timed rounds (default 3; 8 with --sweep)"
+    )
     run.add_argument(
         "--warmup",
         type=_non_negative_int,
-        default=1,
-        help="untimed warm-up steps per policy (one more untimed step measures memory)",
+        default=2,
+        help="untimed rounds first; Auto learns its plan in them (default 2)",
+    )
+    run.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch CPU threads (torch.set_num_threads; default: torch's own choice); on a "
+        "machine other jobs keep busy, fewer threads spin less against them",
     )
     run.add_argument("--device", type=_device, choices=["cpu", "cuda"], default="cpu")
-    run.add_argument("--dtype", choices=list(bench.DTYPES), default="float32")
+    run.add_argument(
+        "--dtype",
+        choices=list(bench.DTYPES),
+        default=None,
+        help="float32 (default), or bfloat16: the forward under bfloat16 autocast (weights "
+        "stay float32); --sweep runs both",
+    )
+    run.add_argument(
+        "--twins",
+        action="store_true",
+        help="run each auto:<budget> beside a twin that never plans (a fresh Profile every "
+        "step), to measure what its plan changes",
+    )
     run.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON")
     run.add_argument(
         "--plot",
         type=Path,
         metavar="PATH",
-        help="also draw a PNG: live bytes per tier over one step of each policy, and peak "
-        "memory against step time (needs matplotlib: pip install tensorstash[plot])",
+        help="also draw a PNG: memory over one step of each policy, and real peak against "
+        "step time with the Pareto front (needs matplotlib: pip install tensorstash[plot])",
     )
     run.add_argument(
         "--memory-snapshot",
@@ -150,6 +192,14 @@ def _progress_bar(total: int) -> Iterator[Callable[[str], None]]:
 
 def _workload(args: argparse.Namespace) -> tuple[bench.Workload, list[str]]:
     """The model to bench and the policies to run; ValueError for what cannot run."""
+    if args.sweep and args.dtype is not None:
+        raise ValueError(
+            "tensorstash bench: --sweep runs float32 and bfloat16 both; leave --dtype out"
+        )
+    if args.sweep and args.memory_snapshot is not None:
+        raise ValueError(
+            "tensorstash bench: --memory-snapshot records one run; leave it out of --sweep"
+        )
     if args.plot is not None:
         _plot.require_matplotlib()
     if args.memory_snapshot is not None:
@@ -160,7 +210,7 @@ def _workload(args: argparse.Namespace) -> tuple[bench.Workload, list[str]]:
         workload = bench.script_workload(args.model_script, args.seed)
     policies = args.policies
     if policies is None:
-        policies = list(bench.DEFAULT_POLICIES)
+        policies = list(bench.SWEEP_POLICIES if args.sweep else bench.DEFAULT_POLICIES)
         if workload.blocks is None:
             skipped = [name for name in policies if name in bench.NEEDS_BLOCKS]
             policies = [name for name in policies if name not in bench.NEEDS_BLOCKS]
@@ -173,46 +223,86 @@ def _workload(args: argparse.Namespace) -> tuple[bench.Workload, list[str]]:
     return workload, policies
 
 
-def _bench(args: argparse.Namespace) -> int:
-    try:
-        workload, policies = _workload(args)
-    except (ValueError, _plot.PlotUnavailable) as error:
-        args.subparser.error(str(error).removeprefix("tensorstash bench: "))
-    total = bench.planned_steps(
-        policies,
-        args.steps,
-        args.warmup,
-        timeline=args.plot is not None,
-        memory_snapshot=args.memory_snapshot is not None,
+def _run(
+    args: argparse.Namespace, workload: bench.Workload, policies: list[str]
+) -> list[bench.Row]:
+    """The rows of the run (both dtypes with ``--sweep``), under a progress bar."""
+    dtypes = list(bench.DTYPES) if args.sweep else [args.dtype or "float32"]
+    plot = args.plot is not None
+    total = sum(
+        bench.planned_steps(
+            policies,
+            args.steps,
+            args.warmup,
+            timeline=plot and index == 0,
+            memory_snapshot=args.memory_snapshot is not None,
+            twins=args.twins,
+            device=args.device,
+        )
+        for index in range(len(dtypes))
     )
+    rows: list[bench.Row] = []
     with _progress_bar(total) as progress:
-        try:
-            rows = bench.run_bench(
+        for index, dtype in enumerate(dtypes):
+            rows += bench.run_bench(
                 args.model,
                 policies,
                 args.steps,
                 args.device,
-                args.dtype,
+                dtype,
                 args.seed,
                 warmup=args.warmup,
                 progress=progress,
                 workload=workload,
-                timeline=args.plot is not None,
+                timeline=plot and index == 0,
                 memory_snapshot=args.memory_snapshot,
+                twins=args.twins,
             )
-        except bench.ModelScriptError as error:
-            args.subparser.error(str(error).removeprefix("tensorstash bench: "))
-    title = (
-        f"{workload.description}, {args.device} {args.dtype}, "
-        f"{torch.get_num_threads()} threads, median of {args.steps} timed step(s) per policy"
-    )
-    print(title)
-    print(bench.format_table(rows, device=args.device))
+    return rows
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.steps is None:
+        args.steps = 8 if args.sweep else 3
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        workload, policies = _workload(args)
+    except (ValueError, _plot.PlotUnavailable) as error:
+        args.subparser.error(str(error).removeprefix("tensorstash bench: "))
+    try:
+        rows = _run(args, workload, policies)
+    except bench.ModelScriptError as error:
+        args.subparser.error(str(error).removeprefix("tensorstash bench: "))
+    titles = []
+    dtypes = list(dict.fromkeys(row.dtype for row in rows))
+    for index, dtype in enumerate(dtypes):
+        mine = [row for row in rows if row.dtype == dtype]
+        heading = bench.format_title(
+            workload.description,
+            args.device,
+            dtype,
+            mine,
+            threads=torch.get_num_threads(),
+            warmup=args.warmup,
+        )
+        titles.append(heading)
+        if index:
+            print()
+        print(heading)
+        last = index == len(dtypes) - 1
+        print(bench.format_table(mine, device=args.device, legend=last))
     if args.json is not None:
         args.json.write_text(json.dumps([row.to_dict() for row in rows], indent=2) + "\n")
         print(f"wrote {len(rows)} rows to {args.json}", file=sys.stderr)
     if args.plot is not None:
-        _plot.plot(rows, args.plot, title=title, device=args.device)
+        heading = titles[0]
+        if len(titles) > 1:
+            heading = (
+                f"{workload.description}, {args.device} float32 (timelines) and bfloat16 "
+                f"autocast, {bench.report.threads_text(torch.get_num_threads())}"
+            )
+        _plot.plot(rows, args.plot, title=heading, device=args.device)
         print(f"wrote the plot to {args.plot}", file=sys.stderr)
     if args.memory_snapshot is not None:
         print(
@@ -232,9 +322,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status: 0 on success. Usage errors (an unknown policy, CUDA
         requested without a CUDA device, ``--plot`` without matplotlib,
-        ``--memory-snapshot`` off CUDA, a model script that cannot be loaded or
-        breaks its protocol) exit through ``SystemExit(2)`` with a message on
-        stderr, as argparse does, before any training starts.
+        ``--memory-snapshot`` off CUDA, ``--model gpt2-hf`` without
+        transformers, a model script that cannot be loaded or breaks its
+        protocol, a model that returns no scalar loss) exit through
+        ``SystemExit(2)`` with a message on stderr, as argparse does; all but
+        the last before any training starts.
     """
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -1,9 +1,13 @@
-"""Tests of ``tensorstash bench``: the embedded model, the measurements and the CLI."""
+"""Tests of ``tensorstash bench`` run end to end: the CLI, the rows, the variants, the workloads.
+
+The parts (rows and ratios, the memory meters, budgets, the figure) are in
+test_bench_parts.py. Nothing here asserts a timing: the machine is shared.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -12,21 +16,30 @@ from typing import Any
 import pytest
 import torch
 
-from tensorstash import _plot, bench
+import tensorstash as ts
+from tensorstash import bench
+from tensorstash.bench import rounds
 from tensorstash.cli import _progress_bar, main
 
 LOSSLESS = ["none", "keep", "cpu", "lz4", "disk", "lz4+disk", "save_on_cpu"]
 STASHES = ["keep", "cpu", "lz4", "disk", "lz4+disk"]
-ALL = [*LOSSLESS, "checkpoint", "auto:1MiB"]
+AUTOS = ["auto", "auto:1MiB", "auto:50%"]
+RAN = [*LOSSLESS, "checkpoint", "recompute", *AUTOS]
+ALL = [*RAN, *bench.OPTIONAL_PEERS]
+
+# One torch thread: on a loaded 2-core machine, idle OpenMP threads spin against busy ones.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """One real run of the CLI on the tiny model, shared by the tests below."""
+def rows(
+    tmp_path_factory: pytest.TempPathFactory, one_torch_thread: None
+) -> dict[str, dict[str, Any]]:
+    """One real run of the CLI on the tiny model, with twins, shared by the tests below."""
     out = tmp_path_factory.mktemp("bench") / "rows.json"
     policies = ",".join(name for name in ALL if name != "none")
-    argv = ["bench", "--model", "tiny", "--steps", "2", "--warmup", "0", "--policies", policies]
-    argv += ["--json", str(out)]
+    argv = ["bench", "--model", "tiny", "--steps", "2", "--warmup", "1", "--policies", policies]
+    argv += ["--twins", "--json", str(out)]
     assert main(argv) == 0
     data = json.loads(out.read_text())
     return {row["policy"]: row for row in data}
@@ -43,55 +56,236 @@ def test_bench_rows_cover_every_policy(rows: dict[str, dict[str, Any]]) -> None:
     assert sorted(rows) == sorted(ALL)
 
 
-@pytest.mark.parametrize("policy", LOSSLESS)
-def test_bench_lossless_policy_grads_equal(rows: dict[str, dict[str, Any]], policy: str) -> None:
+@pytest.mark.parametrize("policy", RAN)
+def test_bench_every_variant_keeps_grads_equal(
+    rows: dict[str, dict[str, Any]], policy: str
+) -> None:
+    """All of them are lossless: recomputed regions restore the RNG state."""
     assert rows[policy]["grads_equal"] is True
 
 
-@pytest.mark.parametrize("policy", ALL)
-def test_bench_times_are_positive(rows: dict[str, dict[str, Any]], policy: str) -> None:
+@pytest.mark.parametrize("policy", RAN)
+def test_bench_rows_measure_every_timed_step(rows: dict[str, dict[str, Any]], policy: str) -> None:
     row = rows[policy]
-    assert row["overhead"] > 0
-    assert row["step_s"] > 0
-    assert len(row["step_times"]) == 2
-    assert row["peak_rss_bytes"] >= 0
+    assert row["dtype"] == "float32" and row["skipped"] is None
+    assert row["step_s"] > 0 and row["overhead"] > 0
+    assert len(row["step_times"]) == len(row["step_overheads"]) == 2
+    assert len(row["step_peak_bytes"]) == 2 and all(p >= 0 for p in row["step_peak_bytes"])
+    assert row["real_peak_bytes"] >= 0
 
 
-def test_bench_baseline_overhead_is_one(rows: dict[str, dict[str, Any]]) -> None:
+def test_bench_baseline_ratios_are_one(rows: dict[str, dict[str, Any]]) -> None:
     assert rows["none"]["overhead"] == pytest.approx(1.0)
+    assert rows["none"]["peak_vs_none"] in (None, pytest.approx(1.0))
 
 
-@pytest.mark.parametrize("policy", STASHES)
+def test_bench_rows_carry_the_activation_bytes(rows: dict[str, dict[str, Any]]) -> None:
+    """Rule 4: one Keep step counts them, and a Keep session holds exactly that at its peak."""
+    activations = rows["none"]["activation_bytes"]
+    assert activations > 0
+    assert {row["activation_bytes"] for row in rows.values() if not row["skipped"]} == {activations}
+    assert rows["keep"]["stash_peak_bytes"]["kept"] == activations
+
+
+def test_bench_budgets_in_bytes_and_in_percent(rows: dict[str, dict[str, Any]]) -> None:
+    assert rows["auto:1MiB"]["budget_bytes"] == 2**20
+    assert rows["auto:50%"]["budget_bytes"] == rows["auto:50%"]["activation_bytes"] // 2
+    assert rows["auto"]["budget_bytes"] is None and rows["keep"]["budget_bytes"] is None
+
+
+@pytest.mark.parametrize("policy", [*STASHES, *AUTOS, "recompute"])
 def test_bench_stash_rows_report_tiers(rows: dict[str, dict[str, Any]], policy: str) -> None:
     row = rows[policy]
-    assert set(row["tiers"]) == {"kept", "host", "disk"}
+    assert set(row["tiers"]) == set(row["stash_peak_bytes"]) == {"kept", "host", "disk"}
     for tier in row["tiers"].values():
         assert {"tensors", "bytes", "stored_bytes", "live_bytes", "peak_bytes"} <= set(tier)
     assert row["compression_ratio"] > 0
-    assert row["peak_bytes"] is not None and row["peak_bytes"] >= 0
-
-
-def test_bench_keep_peak_is_what_it_holds(rows: dict[str, dict[str, Any]]) -> None:
-    kept = rows["keep"]["tiers"]["kept"]
-    assert rows["keep"]["peak_bytes"] == kept["peak_bytes"] > 0
 
 
 # On the CPU, CpuOffload has nothing to move: its tensors stay in the "kept" tier.
 @pytest.mark.parametrize(
-    ("policy", "tier"), [("lz4", "host"), ("disk", "disk"), ("lz4+disk", "disk")]
+    ("policy", "tier"),
+    [("lz4", "host"), ("disk", "disk"), ("lz4+disk", "disk"), ("auto:1MiB", "disk")],
 )
 def test_bench_policy_moves_bytes_to_its_tier(
     rows: dict[str, dict[str, Any]], policy: str, tier: str
 ) -> None:
     assert rows[policy]["tiers"][tier]["bytes"] > 0
+    assert rows[policy]["stash_peak_bytes"][tier] > 0
+
+
+def test_bench_auto_budget_keeps_within_it(rows: dict[str, dict[str, Any]]) -> None:
+    # The recent window lets one more tensor in on top of the budget (NOTE [ Recent window ]).
+    assert 0 < rows["auto:1MiB"]["stash_peak_bytes"]["kept"] <= 2 * 2**20
 
 
 @pytest.mark.parametrize("policy", ["none", "save_on_cpu", "checkpoint"])
 def test_bench_rows_without_a_stash_have_no_tiers(
     rows: dict[str, dict[str, Any]], policy: str
 ) -> None:
-    assert rows[policy]["tiers"] is None
-    assert rows[policy]["compression_ratio"] is None
+    row = rows[policy]
+    assert row["tiers"] is None and row["stash_peak_bytes"] is None
+    assert row["compression_ratio"] is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the optional peers may run")
+@pytest.mark.parametrize("policy", bench.OPTIONAL_PEERS)
+def test_bench_optional_peers_skip_on_the_cpu_with_the_reason(
+    rows: dict[str, dict[str, Any]], policy: str
+) -> None:
+    row = rows[policy]
+    assert row["skipped"] == "needs CUDA streams (a GPU run)"
+    assert row["step_s"] is None and row["real_peak_bytes"] is None and row["step_times"] == []
+    assert row["grads_equal"] is None
+
+
+def test_bench_rows_without_a_planner_predict_nothing(rows: dict[str, dict[str, Any]]) -> None:
+    """Before the planner exposes ``session.plan``, the prediction fields stay empty."""
+    for row in rows.values():
+        if getattr(ts.Session, "plan", None) is None:
+            assert row["predicted_step_s"] is None and row["predicted_peak_bytes"] is None
+        assert set(row) >= {"predicted_step_s", "predicted_peak_bytes", "step_over_predicted"}
+
+
+def test_bench_auto_budget_rows_have_twins_without_a_plan(
+    rows: dict[str, dict[str, Any]],
+) -> None:
+    """Rule 6 of NOTE [ Fair comparison ]: twins ran in the same rounds, and are no rows."""
+    for policy in ("auto:1MiB", "auto:50%"):
+        row = rows[policy]
+        assert len(row["no_plan_step_times"]) == len(row["no_plan_peak_bytes"]) == 2
+        assert all(seconds > 0 for seconds in row["no_plan_step_times"])
+    assert not any(bench.NO_PLAN in policy for policy in rows)
+    assert rows["keep"]["no_plan_step_times"] == [] and rows["auto"]["no_plan_step_times"] == []
+
+
+def test_format_table_has_one_line_per_policy_and_the_skipped_ones(
+    rows: dict[str, dict[str, Any]],
+) -> None:
+    parsed = [bench.Row.from_dict(row) for row in rows.values()]
+    lines = bench.format_table(parsed).splitlines()
+    ran = [row for row in parsed if row.skipped is None]
+    assert [line.split()[0] for line in lines[2 : 2 + len(ran)]] == [row.policy for row in ran]
+    skipped = [line for line in lines if "skipped:" in line]
+    assert len(skipped) == len(parsed) - len(ran)
+    assert any(line.startswith("Pareto front") for line in lines)
+    assert any(line.startswith("budgets: ") and "auto:50% = " in line for line in lines)
+
+
+# -- the planner's prediction ------------------------------------------------------------
+
+
+class FakePlan:
+    """What the planner will expose as ``session.plan``."""
+
+    predicted_step_s = 0.5
+    predicted_peak_bytes = 2**20
+    recompute = ("blocks.0",)
+
+    def table(self) -> str:
+        return "fake plan"
+
+
+def test_bench_auto_rows_show_the_plans_prediction(monkeypatch: pytest.MonkeyPatch) -> None:
+    def plan(session: ts.Session) -> FakePlan | None:
+        return FakePlan() if session.profile is not None else None
+
+    monkeypatch.setattr(ts.Session, "plan", property(plan), raising=False)
+    found = bench.run_bench("tiny", ["keep", "auto:1MiB"], steps=2, warmup=0)
+    keep, auto = found[1], found[2]
+    assert keep.predicted_step_s is None and keep.step_over_predicted is None
+    assert auto.predicted_step_s == 0.5 and auto.predicted_peak_bytes == 2**20
+    assert auto.plan_recompute == ("blocks.0",)
+    ratios = sorted(step / 0.5 for step in auto.step_times)
+    assert auto.step_over_predicted == pytest.approx(sum(ratios) / 2)
+    assert auto.peak_over_predicted == pytest.approx(
+        sum(peak / 2**20 for peak in auto.step_peak_bytes) / 2
+    )
+    table = bench.format_table(found)
+    assert f"0.500 s ({auto.step_over_predicted:.2f}x)" in table
+    assert "auto:1MiB: the plan recomputes blocks.0" in table
+
+
+# -- dtypes and the sweep ----------------------------------------------------------------
+
+
+def test_bench_bfloat16_runs_the_forward_under_autocast() -> None:
+    workload = bench.builtin_workload("tiny", seed=0)
+    found = bench.run_bench(
+        "tiny", ["keep"], steps=1, warmup=0, dtype="bfloat16", workload=workload
+    )
+    assert [row.dtype for row in found] == ["bfloat16", "bfloat16"]
+    assert all(row.grads_equal for row in found)
+    assert {p.dtype for p in workload.model.parameters()} == {torch.float32}
+    # Autocast saves bf16 activations: fewer bytes than float32 saves.
+    float32 = bench.run_bench("tiny", ["keep"], steps=1, warmup=0)
+    assert found[1].activation_bytes < float32[1].activation_bytes
+
+
+def test_bench_sweep_runs_both_dtypes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sweep.json"
+    argv = ["bench", "--sweep", "--model", "tiny", "--steps", "1", "--warmup", "0"]
+    assert main([*argv, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    for dtype in bench.DTYPES:
+        assert [row["policy"] for row in data if row["dtype"] == dtype] == list(
+            bench.SWEEP_POLICIES
+        )
+    budgets = {row["policy"]: row["budget_bytes"] for row in data if row["dtype"] == "float32"}
+    activations = data[0]["activation_bytes"]
+    assert budgets["auto:25%"] == activations // 4 and budgets["auto:75%"] == activations * 3 // 4
+    assert all(row["grads_equal"] for row in data if row["skipped"] is None)
+    out_text = capsys.readouterr().out
+    assert "cpu float32" in out_text and "cpu bfloat16 autocast" in out_text
+
+
+def test_bench_sweep_with_dtype_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--sweep", "--dtype", "bfloat16", "--model", "tiny"])
+    assert exit_info.value.code == 2
+    assert "--sweep runs float32 and bfloat16 both" in capsys.readouterr().err
+
+
+def test_bench_sweep_and_policies_are_exclusive() -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--sweep", "--policies", "lz4", "--model", "tiny"])
+    assert exit_info.value.code == 2
+
+
+# -- the HF GPT-2 workload ---------------------------------------------------------------
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_bench_hf_gpt2_checkpoints_the_hf_way_with_equal_grads() -> None:
+    workload = bench.builtin_workload("gpt2-hf", seed=0)
+    assert workload.library_model is not None and workload.checkpointing is not None
+    found = bench.run_bench(
+        "gpt2-hf", ["checkpoint", "recompute"], steps=1, warmup=0, workload=workload
+    )
+    assert [row.policy for row in found] == ["none", "checkpoint", "recompute"]
+    assert all(row.grads_equal for row in found)
+    assert found[2].tiers is not None
+    model = workload.library_model
+    on = getattr(model, "is_activation_checkpointing", None)
+    assert not (model.is_gradient_checkpointing if on is None else on)  # turned off again
+
+
+def test_bench_hf_gpt2_without_transformers_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name)
+    )
+    with pytest.raises(bench.WorkloadUnavailable, match=r"pip install tensorstash\[hf\]"):
+        bench.builtin_workload("gpt2-hf", seed=0)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--model", "gpt2-hf"])
+    assert exit_info.value.code == 2
+    assert "--model gpt2-hf builds its model with transformers" in capsys.readouterr().err
+
+
+# -- usage errors and small pieces -------------------------------------------------------
 
 
 def test_bench_unknown_policy_names_the_valid_ones(capsys: pytest.CaptureFixture[str]) -> None:
@@ -100,16 +294,7 @@ def test_bench_unknown_policy_names_the_valid_ones(capsys: pytest.CaptureFixture
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "unknown policy 'bogus'" in err
-    assert "lz4+disk" in err and "checkpoint" in err
-
-
-def test_resolve_policies_puts_baseline_first_and_drops_repeats() -> None:
-    assert bench.resolve_policies(["lz4", "none", "lz4", "disk"]) == ["none", "lz4", "disk"]
-
-
-def test_resolve_policies_unknown_raises_value_error() -> None:
-    with pytest.raises(ValueError, match=r"tensorstash bench: unknown policy 'zstd'.*none, keep"):
-        bench.resolve_policies(["zstd"])
+    assert "lz4+disk" in err and "checkpoint" in err and "torchtune" in err and "auto:50%" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -122,15 +307,8 @@ def test_bench_cuda_without_cuda_is_a_usage_error(capsys: pytest.CaptureFixture[
 
 
 def test_run_bench_rejects_zero_steps() -> None:
-    with pytest.raises(ValueError, match="steps=0, warmup=1; pass steps >= 1"):
+    with pytest.raises(ValueError, match="steps=0, warmup=2; pass steps >= 1"):
         bench.run_bench("tiny", ["none"], steps=0)
-
-
-def test_format_table_has_one_line_per_policy(rows: dict[str, dict[str, Any]]) -> None:
-    parsed = [bench.Row.from_dict(row) for row in rows.values()]
-    lines = bench.format_table(parsed).splitlines()
-    body = lines[2 : 2 + len(parsed)]
-    assert [line.split()[0] for line in body] == [row.policy for row in parsed]
 
 
 def test_model_checkpoint_flag_keeps_the_loss() -> None:
@@ -159,7 +337,15 @@ def test_module_help_runs_in_a_subprocess() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert "--policies" in done.stdout and "--json" in done.stdout
+    assert "--policies" in done.stdout and "--sweep" in done.stdout and "gpt2-hf" in done.stdout
+
+
+def test_bench_threads_option_sets_torch_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: [])
+    assert main(["bench", "--model", "tiny", "--threads", "1", "--policies", "lz4"]) == 0
+    assert calls == [1]
 
 
 def test_progress_bar_without_tqdm_is_a_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -169,150 +355,31 @@ def test_progress_bar_without_tqdm_is_a_no_op(monkeypatch: pytest.MonkeyPatch) -
         advance("lz4")
 
 
-# -- JSON fields, Auto's profile -------------------------------------------------------
+def test_planned_steps_counts_twins_extras_and_skips() -> None:
+    # reference + keep, then (warmup + steps) per variant, twins as variants of their own.
+    assert bench.planned_steps(["none", "auto:8MiB"], steps=3, warmup=2) == 2 + 2 * 5
+    assert bench.planned_steps(["auto:8MiB"], steps=3, warmup=2, twins=True) == 2 + 3 * 5
+    assert bench.planned_steps(["lz4"], steps=1, warmup=0, timeline=True) == 2 + 2 * 2
+    assert bench.planned_steps(["torchtune"], steps=3, warmup=2, device="cpu") == 2 + 5
 
 
-@pytest.mark.parametrize("policy", ALL)
-def test_bench_json_rows_have_the_documented_fields(
-    rows: dict[str, dict[str, Any]], policy: str
-) -> None:
-    row = rows[policy]
-    assert {"policy", "peak_bytes", "step_s", "overhead", "grads_equal", "tiers"} <= set(row)
-    assert len(row["step_overheads"]) == len(row["step_peak_bytes"]) == 2
-    assert row["timeline"] is None  # only with --plot
+def test_planned_steps_is_what_run_bench_ticks() -> None:
+    ticks: list[str] = []
+    policies = ["lz4", "auto:1MiB", "trl"]
+    options: dict[str, Any] = {"steps": 1, "warmup": 1, "twins": True, "timeline": True}
+    bench.run_bench("tiny", policies, progress=ticks.append, **options)
+    assert len(ticks) == bench.planned_steps(policies, **options)
+    assert ticks.count("auto:1MiB" + bench.NO_PLAN) == 2 and "trl" not in ticks
 
 
-def test_bench_auto_budget_row_learns_across_timed_steps(
-    rows: dict[str, dict[str, Any]],
-) -> None:
-    row = rows["auto:1MiB"]
-    assert row["grads_equal"] is True
-    assert all(peak > 0 for peak in row["step_peak_bytes"])
-    # The plan keeps what fits in the budget, as the first step does; the rest goes out.
-    assert 0 < row["tiers"]["kept"]["peak_bytes"] <= 2**20
-    assert row["tiers"]["disk"]["bytes"] > 0
-
-
-def test_bench_auto_budget_row_has_a_twin_without_a_plan(
-    rows: dict[str, dict[str, Any]],
-) -> None:
-    """Rule 6 of NOTE [ Fair comparison ]: the twin ran in the same rounds, and is no row."""
-    row = rows["auto:1MiB"]
-    assert len(row["no_plan_step_times"]) == len(row["no_plan_peak_bytes"]) == 2
-    assert all(seconds > 0 for seconds in row["no_plan_step_times"])
-    assert all(peak > 0 for peak in row["no_plan_peak_bytes"])
-    assert not any(bench.NO_PLAN in policy for policy in rows)
-    assert rows["keep"]["no_plan_step_times"] == []
-
-
-def test_twins_run_beside_their_variant_in_turn_first() -> None:
-    every = bench._with_twins(["none", "auto:8MiB", "lz4"], steps=2)
+def test_round_order_rotates_and_twins_take_turns() -> None:
     twin = "auto:8MiB" + bench.NO_PLAN
-    assert every == ["none", "auto:8MiB", twin, "lz4"]
-    assert bench._round_order(every, 0) == every
-    assert bench._round_order(every, 1) == ["none", twin, "auto:8MiB", "lz4"]
-    assert bench._with_twins(["none", "auto:8MiB"], steps=1) == ["none", "auto:8MiB"]
-
-
-def test_planned_steps_counts_the_twins() -> None:
-    assert bench.planned_steps(["none", "auto:8MiB"], steps=3, warmup=1) == 1 + 2 * 5 + 5
-    assert bench.planned_steps(["none", "auto:8MiB"], steps=1, warmup=1) == 1 + 2 * 3
-
-
-def _auto_row(step_times: tuple[float, ...], no_plan: tuple[float, ...]) -> bench.Row:
-    count = len(step_times)
-    return bench.Row(
-        policy="auto:8MiB",
-        peak_bytes=10 * 2**20,
-        peak_rss_bytes=0,
-        step_s=statistics.median(step_times),
-        step_times=step_times,
-        overhead=1.25,
-        grads_equal=True,
-        tiers=None,
-        compression_ratio=None,
-        step_overheads=(2.0,) * count,
-        step_peak_bytes=(10 * 2**20,) + (8 * 2**20,) * (count - 1),
-        no_plan_step_times=no_plan,
-        no_plan_peak_bytes=(10 * 2**20,) * len(no_plan),
-    )
-
-
-def test_format_table_reports_the_plan_against_the_twin() -> None:
-    # Same-round ratios of steps 2-4: 0.9, 0.8, 1.0; step 1 (no plan in either) is left out.
-    table = bench.format_table([_auto_row((0.5, 0.27, 0.24, 0.3), (0.1, 0.3, 0.3, 0.3))])
-    assert (
-        "auto:8MiB: steps 2-4, step time 0.90x that without a plan (median of same-round "
-        "ratios); peak 8.0 MiB against 10.0 MiB without"
-    ) in table
-    assert "without a plan (a fresh Profile every step)" in table
-
-
-def test_format_table_says_nothing_of_a_plan_without_a_twin() -> None:
-    assert "without a plan" not in bench.format_table([_auto_row((0.5, 0.3), ())])
-    assert "without a plan" not in bench.format_table([_auto_row((0.5,), (0.4,))])
-
-
-# -- --plot ------------------------------------------------------------------------------
-
-
-def test_bench_plot_writes_a_png(tmp_path: Path) -> None:
-    png, out = tmp_path / "bench.png", tmp_path / "rows.json"
-    argv = ["bench", "--model", "tiny", "--steps", "1", "--warmup", "0"]
-    argv += ["--policies", "keep", "--plot", str(png), "--json", str(out)]
-    assert main(argv) == 0
-    data = png.read_bytes()
-    assert data.startswith(b"\x89PNG\r\n\x1a\n")
-    assert 10_000 < len(data) < 150_000
-    timelines = {row["policy"]: row["timeline"] for row in json.loads(out.read_text())}
-    keep = timelines["keep"]
-    # Forward rises, backward falls: the peak comes at the end of forward, nothing is left.
-    assert keep["kept"][0] == 0 and max(keep["kept"]) > 0 and keep["kept"][-1] == 0
-    peak_at = keep["t_s"][keep["kept"].index(max(keep["kept"]))]
-    assert peak_at <= keep["backward_at_s"]
-    assert keep["t_s"] == sorted(keep["t_s"])
-
-
-def test_bench_plot_without_matplotlib_fails_before_training(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes the import raise ImportError
-
-    def no_training(*args: object, **kwargs: object) -> None:
-        raise AssertionError("training started")
-
-    monkeypatch.setattr(bench, "run_bench", no_training)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "--model", "tiny", "--plot", str(tmp_path / "x.png")])
-    assert exit_info.value.code == 2
-    assert "pip install tensorstash[plot]" in capsys.readouterr().err
-    assert not (tmp_path / "x.png").exists()
-
-
-def test_plot_skips_panels_without_data(tmp_path: Path) -> None:
-    row = bench.Row(
-        policy="none",
-        peak_bytes=None,
-        peak_rss_bytes=2**20,
-        step_s=0.1,
-        step_times=(0.1,),
-        overhead=1.0,
-        grads_equal=True,
-        tiers=None,
-        compression_ratio=None,
-        timeline={"t_s": [0.0, 0.1], "kept": [0, 0], "host": [0, 0], "disk": [0, 0]},
-    )
-    path = _plot.plot([row], tmp_path / "one.png", title="one row")
-    assert path.read_bytes().startswith(b"\x89PNG")
-
-
-def test_plot_draws_auto_without_a_plan(tmp_path: Path) -> None:
-    """The twin's point and the arrow to the plan (rule 6), and nothing for a row without one."""
-    pytest.importorskip("matplotlib")
-    planned = _auto_row((0.5, 0.27, 0.24, 0.3), (0.1, 0.3, 0.3, 0.3))
-    assert _plot._learns(planned) and not _plot._learns(_auto_row((0.5, 0.3), ()))
-    path = _plot.plot([planned], tmp_path / "auto.png", title="auto")
-    assert path.read_bytes().startswith(b"\x89PNG")
+    groups = [["none"], ["auto:8MiB", twin], ["lz4"]]
+    assert rounds.round_order(groups, 0) == ["none", "auto:8MiB", twin, "lz4"]
+    assert rounds.round_order(groups, 1) == [twin, "auto:8MiB", "lz4", "none"]
+    assert rounds.round_order(groups, 2) == ["lz4", "none", "auto:8MiB", twin]
+    firsts = {rounds.round_order(groups, index)[0] for index in range(3)}
+    assert firsts == {"none", twin, "lz4"}
 
 
 # -- --memory-snapshot -----------------------------------------------------------------
@@ -341,6 +408,8 @@ def test_snapshot_round_records_each_policy_in_its_own_file(
     # are checked on any machine; the CUDA test below runs the real ones.
     from torch.cuda import memory as cuda_memory
 
+    from tensorstash.bench.snapshot import snapshot_round
+
     calls: list[tuple[str, Any]] = []
 
     def record(enabled: str | None = "all", **kwargs: Any) -> None:
@@ -354,10 +423,10 @@ def test_snapshot_round_records_each_policy_in_its_own_file(
     monkeypatch.setattr(cuda_memory, "_dump_snapshot", dump)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     workload = bench.builtin_workload("tiny", seed=0)
-    runner = bench._Bench(workload, torch.device("cpu"), torch.float32, seed=0)
+    runner = bench.StepRunner(workload, torch.device("cpu"), torch.float32, seed=0)
     runner.take_reference()
     ticks: list[str] = []
-    bench._snapshot_round(runner, ["none", "auto:1MiB"], tmp_path / "snap", ticks.append)
+    snapshot_round(runner, ["none", "auto:1MiB"], tmp_path / "snap", ticks.append)
     assert calls == [
         ("record", "all"),
         ("dump", "none.pickle"),
@@ -438,12 +507,13 @@ def script(tmp_path: Path) -> Path:
 def test_bench_model_script_runs_the_users_model(script: Path, tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     argv = ["bench", "--model-script", f"{script}:make", "--steps", "1", "--warmup", "0"]
-    argv += ["--policies", "disk,checkpoint,recompute", "--json", str(out)]
+    argv += ["--policies", "disk,checkpoint,recompute,auto:50%", "--json", str(out)]
     assert main(argv) == 0
     data = {row["policy"]: row for row in json.loads(out.read_text())}
-    assert list(data) == ["none", "disk", "checkpoint", "recompute"]
+    assert list(data) == ["none", "disk", "checkpoint", "recompute", "auto:50%"]
     assert all(row["grads_equal"] for row in data.values())
     assert data["disk"]["tiers"]["disk"]["bytes"] > 0
+    assert data["auto:50%"]["budget_bytes"] == data["none"]["activation_bytes"] // 2
 
 
 def test_bench_model_script_without_blocks_skips_checkpoint_by_default(
@@ -451,7 +521,6 @@ def test_bench_model_script_without_blocks_skips_checkpoint_by_default(
 ) -> None:
     ran: list[list[str]] = []
     monkeypatch.setattr(bench, "run_bench", lambda _, names, *a, **k: ran.append(names) or [])
-    monkeypatch.setattr(bench, "format_table", lambda rows, device: "")
     assert main(["bench", "--model-script", f"{script}:without_blocks"]) == 0
     assert "skipping recompute and checkpoint" in capsys.readouterr().err
     assert ran and not set(ran[0]) & {"recompute", "checkpoint"}

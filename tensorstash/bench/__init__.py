@@ -1,0 +1,111 @@
+"""``tensorstash bench``: the embedded model, workloads, variants, measurements, report.
+
+The modules, each importing only those above it:
+
+- :mod:`~tensorstash.bench.model`: the embedded GPT-style model and its sizes;
+- :mod:`~tensorstash.bench.workloads`: what the bench trains (that model, an HF
+  GPT-2); :mod:`~tensorstash.bench.script`: a user's model (``--model-script``);
+- :mod:`~tensorstash.bench.variants`: the policies and peers the bench compares;
+- :mod:`~tensorstash.bench.memory`: NOTE [ Real memory ], the real peak of a step;
+- :mod:`~tensorstash.bench.timeline`: memory over one step, for ``--plot``;
+- :mod:`~tensorstash.bench.measure`: one step's time, memory, gradients and plan;
+- :mod:`~tensorstash.bench.rows`: a variant's result, medians of same-round ratios;
+- :mod:`~tensorstash.bench.report`: the table;
+- :mod:`~tensorstash.bench.snapshot`: ``--memory-snapshot`` (CUDA);
+- :mod:`~tensorstash.bench.rounds`: NOTE [ Fair comparison ], :func:`run_bench`
+  and :func:`run_sweep`;
+- :mod:`~tensorstash.bench.plot`: the figure of ``--plot`` (matplotlib, imported lazily).
+"""
+
+from tensorstash.bench.measure import DTYPES, StepResult, StepRunner, resolve_device, resolve_dtype
+from tensorstash.bench.memory import CudaPeak, PeakRss, return_free_memory
+from tensorstash.bench.model import (
+    CONFIGS,
+    BenchGPT,
+    Block,
+    ModelConfig,
+    make_batch,
+    resolve_config,
+)
+from tensorstash.bench.report import format_table, format_title
+from tensorstash.bench.rounds import planned_steps, run_bench, run_sweep
+from tensorstash.bench.rows import PlanEffect, Row, pareto_front
+from tensorstash.bench.script import MODEL_SCRIPT_PROTOCOL, script_workload
+from tensorstash.bench.snapshot import check_memory_snapshot, snapshot_file
+from tensorstash.bench.timeline import Timeline
+from tensorstash.bench.variants import (
+    ALL_POLICIES,
+    AUTO_PREFIX,
+    BASELINE,
+    DEFAULT_POLICIES,
+    NEEDS_BLOCKS,
+    NO_PLAN,
+    OPTIONAL_PEERS,
+    PEERS,
+    SWEEP_POLICIES,
+    budget_bytes,
+    check_blocks,
+    resolve_policies,
+    skip_reason,
+    variant_context,
+)
+from tensorstash.bench.workloads import (
+    HF_GPT2,
+    MODELS,
+    Batch,
+    ModelScriptError,
+    Workload,
+    WorkloadUnavailable,
+    builtin_workload,
+)
+
+__all__ = [
+    "ALL_POLICIES",
+    "AUTO_PREFIX",
+    "BASELINE",
+    "CONFIGS",
+    "DEFAULT_POLICIES",
+    "DTYPES",
+    "HF_GPT2",
+    "MODELS",
+    "MODEL_SCRIPT_PROTOCOL",
+    "NEEDS_BLOCKS",
+    "NO_PLAN",
+    "OPTIONAL_PEERS",
+    "PEERS",
+    "SWEEP_POLICIES",
+    "Batch",
+    "BenchGPT",
+    "Block",
+    "CudaPeak",
+    "ModelConfig",
+    "ModelScriptError",
+    "PeakRss",
+    "PlanEffect",
+    "Row",
+    "StepResult",
+    "StepRunner",
+    "Timeline",
+    "Workload",
+    "WorkloadUnavailable",
+    "budget_bytes",
+    "builtin_workload",
+    "check_blocks",
+    "check_memory_snapshot",
+    "format_table",
+    "format_title",
+    "make_batch",
+    "pareto_front",
+    "planned_steps",
+    "resolve_config",
+    "resolve_device",
+    "resolve_dtype",
+    "resolve_policies",
+    "return_free_memory",
+    "run_bench",
+    "run_sweep",
+    "script_workload",
+    "skip_reason",
+    "snapshot_file",
+    "variant_context",
+]

@@ -1,0 +1,229 @@
+"""One step of one variant: its time, its real memory, its gradients, the plan it ran.
+
+Rules 2, 4, 5 and 10 of NOTE [ Fair comparison ] (rounds.py) live here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import tensorstash as ts
+from tensorstash.bench.memory import meter, return_free_memory
+from tensorstash.bench.timeline import Timeline
+from tensorstash.bench.variants import BASELINE, variant_context
+from tensorstash.bench.workloads import Workload, checked_loss, to_device
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""``--dtype``: float32, or the forward under bfloat16 autocast (weights stay float32)."""
+
+
+@dataclass(frozen=True)
+class PlanReading:
+    """What the planner predicted for a step (``session.plan``; rule 6 of the NOTE).
+
+    Attributes:
+        predicted_step_s: forward and backward seconds of a step with this plan.
+        predicted_peak_bytes: the real peak growth of such a step.
+        recompute: the module paths the plan recomputes.
+    """
+
+    predicted_step_s: float | None
+    predicted_peak_bytes: int | None
+    recompute: tuple[str, ...]
+
+
+def read_plan(session: Any) -> PlanReading | None:
+    """The plan a stash session ran under, or None (no session, or no planner yet)."""
+    plan = getattr(session, "plan", None)
+    if plan is None:
+        return None
+    step_s = getattr(plan, "predicted_step_s", None)
+    peak = getattr(plan, "predicted_peak_bytes", None)
+    return PlanReading(
+        None if step_s is None else float(step_s),
+        None if peak is None else int(peak),
+        tuple(getattr(plan, "recompute", ()) or ()),
+    )
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step of one variant measured.
+
+    Attributes:
+        seconds: forward and backward, wall clock.
+        grads_equal: every gradient bitwise equal to the reference (rule 4).
+        stats: the stash session's ``stats.to_dict()`` (None without a session).
+        peak_bytes: the real peak growth over the step (NOTE [ Real memory ]).
+        plan: the planner's prediction for the step, if it made one.
+        timeline: memory over the step (``--plot``), if recorded.
+    """
+
+    seconds: float
+    grads_equal: bool
+    stats: dict[str, Any] | None
+    peak_bytes: int
+    plan: PlanReading | None = None
+    timeline: dict[str, Any] | None = None
+
+
+class StepRunner:
+    """The workload on its device, its weights and reference gradients, shared by every step.
+
+    Args:
+        workload: what to train; its model is moved to ``device``.
+        device: where it runs.
+        dtype: float32, or bfloat16 for a forward under autocast (rule 10).
+        seed: the RNG seed of every step (rule 2).
+    """
+
+    def __init__(
+        self, workload: Workload, device: torch.device, dtype: torch.dtype, seed: int
+    ) -> None:
+        model = workload.model.to(device=device).train()
+        self.workload = Workload(
+            model,
+            to_device(workload.batch, device),
+            workload.blocks,
+            workload.description,
+            workload.checkpointing,
+            workload.library_model,
+        )
+        self.model = model
+        self.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.batch = self.workload.batch
+        self.device = device
+        self.dtype = dtype
+        self.seed = seed
+        self.reference: list[Tensor | None] = []
+        self.profiles: dict[str, ts.Profile] = {}
+        self.activation_bytes: int | None = None
+
+    def step(self, name: str, *, timeline: bool = False) -> StepResult:
+        """Run one forward and backward under variant ``name`` and measure it.
+
+        Args:
+            name: the variant.
+            timeline: record memory over the step (:class:`~tensorstash.bench.timeline.Timeline`).
+
+        Returns:
+            The step's time, gradient check, stash stats, real peak, plan and timeline.
+        """
+        self._reset()
+        return_free_memory()  # rule 3 of NOTE [ Real memory ]
+        trace = Timeline(self.model, self.device) if timeline else None
+        with meter(self.device) as measured, trace or contextlib.nullcontext():
+            start = time.perf_counter()
+            with variant_context(
+                name,
+                self.workload,
+                self.device,
+                self.profiles,
+                activation_bytes=self.activation_bytes,
+            ) as session:
+                if trace is not None:
+                    trace.session = session
+                with self._autocast():
+                    loss = checked_loss(self.model(*self.batch), self.workload)
+                if trace is not None:
+                    trace.backward_starts()
+                loss.backward()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - start
+            del loss
+            if trace is not None:
+                trace.sample()
+        return StepResult(
+            seconds,
+            self._grads_equal(),
+            None if session is None else session.stats.to_dict(),
+            measured.delta_bytes,
+            read_plan(session),
+            None if trace is None else trace.to_dict(),
+        )
+
+    def take_reference(self) -> None:
+        """Plain autograd's gradients, and the activation bytes of one step (rule 4 of the NOTE).
+
+        The activation bytes are what a ``Keep`` session counts as its kept
+        tier's peak: the eligible saved bytes (parameters, buffers and tensors
+        under ``min_bytes`` are skipped, not counted).
+        """
+        self.step(BASELINE)
+        self.reference = [_grad_copy(p) for p in self.model.parameters()]
+        stats = self.step("keep").stats
+        if stats is None:
+            raise RuntimeError("tensorstash bench: a keep step had no session (a bug)")
+        self.activation_bytes = int(stats["tiers"]["kept"]["peak_bytes"])
+
+    @contextlib.contextmanager
+    def _autocast(self) -> Iterator[None]:
+        """Rule 10: the forward under bfloat16 autocast, unless the run is float32."""
+        if self.dtype == torch.float32:
+            yield
+            return
+        with torch.autocast(self.device.type, dtype=self.dtype):
+            yield
+
+    def _reset(self) -> None:
+        """Same weights, no gradients, same RNG state (rule 2 of the NOTE)."""
+        self.model.load_state_dict(self.initial)
+        self.model.zero_grad(set_to_none=True)
+        torch.manual_seed(self.seed)
+
+    def _grads_equal(self) -> bool:
+        """Whether every parameter's gradient equals the reference bitwise."""
+        grads = [p.grad for p in self.model.parameters()]
+        if len(grads) != len(self.reference):
+            return False
+        return all(
+            (g is None and r is None) or (g is not None and r is not None and torch.equal(g, r))
+            for g, r in zip(grads, self.reference, strict=True)
+        )
+
+
+def _grad_copy(parameter: Tensor) -> Tensor | None:
+    """A detached copy of ``parameter.grad`` (None if it has none)."""
+    return None if parameter.grad is None else parameter.grad.detach().clone()
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``; ValueError if it is CUDA and CUDA is missing."""
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"tensorstash bench: device {str(device)!r} requested but torch "
+            f"{torch.__version__} sees no CUDA device; run with --device cpu or on a "
+            "machine with a GPU and a CUDA build of torch"
+        )
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"tensorstash bench: device {str(device)!r} is not supported; use cpu or cuda"
+        )
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``dtype`` as a ``torch.dtype``; ValueError listing the valid names."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+        dtype = str(dtype)
+    if dtype not in DTYPES:
+        raise ValueError(
+            f"tensorstash bench: dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}"
+        )
+    return DTYPES[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The ``--dtype`` name of ``dtype`` ("float32", "bfloat16")."""
+    return next(name for name, value in DTYPES.items() if value == dtype)

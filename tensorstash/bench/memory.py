@@ -1,0 +1,172 @@
+"""Real memory over a step: what the process holds, not what a stash counts.
+
+# NOTE [ Real memory ]
+1. On the CPU the real peak of a step is the most the process's resident set
+   grew over it: Linux's high-water mark (``VmHWM`` in /proc/self/status)
+   after resetting it to the current resident set (writing "5" to
+   /proc/self/clear_refs), less the resident set at the step's start. Exact
+   (the kernel keeps the maximum), and two small file operations per step.
+2. Where clear_refs cannot be written (not Linux, or not allowed), a thread
+   samples the resident set every millisecond instead; it may miss a peak
+   shorter than that, and its wake-ups cost the step a little time.
+3. Before a step, garbage is collected and glibc's free heap is handed back to
+   the operating system (``malloc_trim(0)``): glibc keeps freed memory, so a
+   step would otherwise reuse the last step's pages and show no growth at all
+   (see DESIGN.md, measured facts). Every variant starts from the same trimmed
+   heap, and its step time includes the first touch of the fresh pages it uses
+   (about 1.2 GB/s on the 2-core machines here), as in a process just started.
+4. Everything the process holds counts: bytes a stash counts as "disk" that
+   still wait for the writer, compressed buffers, allocator slack, the
+   recomputation of a checkpointed block.
+5. On CUDA the real peak is ``torch.cuda.max_memory_allocated`` over the step,
+   after ``reset_peak_memory_stats``, less ``memory_allocated`` at its start:
+   what the step added to the tensors already there (weights, gradients).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import os
+import sys
+import threading
+from typing import Protocol
+
+import psutil
+import torch
+
+
+class Meter(Protocol):
+    """A context manager that measures the real peak of the region it runs."""
+
+    delta_bytes: int
+
+    def __enter__(self) -> Meter: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
+
+
+def current_rss() -> int:
+    """The process's resident set size in bytes (/proc/self/statm where it exists: cheap)."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE
+    except OSError:
+        return int(psutil.Process().memory_info().rss)
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _high_water_rss() -> int | None:
+    """Linux's VmHWM, the process's peak resident set, or None where unavailable."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_high_water_rss() -> bool:
+    """Reset VmHWM to the current resident set (Linux >= 4.0); False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return _high_water_rss() is not None
+
+
+def return_free_memory() -> None:
+    """Rule 3 of NOTE [ Real memory ]: collect garbage, return glibc's free heap to the OS."""
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class PeakRss:
+    """How far the resident set grows over a region (rules 1 and 2 of NOTE [ Real memory ]).
+
+    Args:
+        interval_s: the sampling thread's period, where the high-water mark
+            cannot be reset.
+        resettable: whether to use the high-water mark; injected for tests.
+
+    Attributes:
+        delta_bytes: the growth, set on exit.
+        sampled: whether a sampling thread measured it (rule 2).
+
+    Example:
+        >>> with PeakRss() as meter:
+        ...     run_step()
+        >>> meter.delta_bytes
+    """
+
+    def __init__(self, interval_s: float = 0.001, *, resettable: bool = True) -> None:
+        self.delta_bytes = 0
+        self.sampled = False
+        self._interval_s = interval_s
+        self._resettable = resettable
+        self._start = 0
+        self._most = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> PeakRss:
+        reset = self._resettable and _reset_high_water_rss()
+        self._start = current_rss()
+        if not reset:
+            self.sampled = True
+            self._most = self._start
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._thread is None:
+            peak = max(_high_water_rss() or 0, current_rss())
+        else:
+            self._stop.set()
+            self._thread.join()
+            peak = max(self._most, current_rss())
+        self.delta_bytes = max(0, peak - self._start)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._most = max(self._most, current_rss())
+
+
+class CudaPeak:
+    """How far CUDA allocated memory grows over a region (rule 5 of NOTE [ Real memory ])."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.delta_bytes = 0
+        self._device = device
+        self._start = 0
+
+    def __enter__(self) -> CudaPeak:
+        torch.cuda.synchronize(self._device)
+        torch.cuda.reset_peak_memory_stats(self._device)
+        self._start = torch.cuda.memory_allocated(self._device)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        torch.cuda.synchronize(self._device)
+        self.delta_bytes = max(0, torch.cuda.max_memory_allocated(self._device) - self._start)
+
+
+def meter(device: torch.device) -> Meter:
+    """The real-memory meter of ``device``: :class:`CudaPeak` on CUDA, else :class:`PeakRss`."""
+    return CudaPeak(device) if device.type == "cuda" else PeakRss()
+
+
+def real_memory_now(device: torch.device) -> int:
+    """What the process holds now: CUDA allocated bytes, or the resident set."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return current_rss()

@@ -1,0 +1,186 @@
+"""The bench's table: real peak first, time, the planner's prediction, the stash's counts."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from tensorstash.bench.rows import Row, pareto_front
+from tensorstash.bench.variants import is_relative
+from tensorstash.stats import TIERS, human_bytes
+
+_HEADERS = (
+    "policy",
+    "real peak +",
+    "vs none",
+    "step",
+    "overhead",
+    "predicted step",
+    "predicted peak",
+    "stash peak kept / host / disk",
+    "ratio",
+    "grads equal",
+)
+_LEFT = {0, 7}
+
+
+def _cells(row: Row) -> list[str]:
+    """A measured row's table cells, in the order of ``_HEADERS``."""
+    stash = "-"
+    if row.stash_peak_bytes is not None:
+        stash = " / ".join(human_bytes(row.stash_peak_bytes[tier]) for tier in TIERS)
+    return [
+        row.policy,
+        _human(row.real_peak_bytes),
+        _times(row.peak_vs_none),
+        f"{row.step_s:.3f} s",
+        _times(row.overhead),
+        _predicted(row.predicted_step_s, row.step_over_predicted, lambda s: f"{s:.3f} s"),
+        _predicted(row.predicted_peak_bytes, row.peak_over_predicted, human_bytes),
+        stash,
+        "-" if row.compression_ratio is None else f"{row.compression_ratio:.2f}x",
+        "yes" if row.grads_equal else "NO",
+    ]
+
+
+def _predicted(value: float | None, ratio: float | None, show: Callable[[Any], str]) -> str:
+    """A prediction and, in brackets, the measurement over it."""
+    if value is None:
+        return "-"
+    text = show(value)
+    return text if ratio is None else f"{text} ({ratio:.2f}x)"
+
+
+def format_table(
+    rows: Sequence[Row], *, device: str | torch.device = "cpu", legend: bool = True
+) -> str:
+    """The rows as an aligned plain-text table, one line per policy, and notes under it.
+
+    Args:
+        rows: results of :func:`~tensorstash.bench.run_bench` (one dtype).
+        device: where they were measured (changes what "real peak" means).
+        legend: add the lines that say what each column measures.
+
+    Returns:
+        The table, without a trailing newline.
+    """
+    measured = [row for row in rows if row.skipped is None]
+    table = [list(_HEADERS), *(_cells(row) for row in measured)]
+    widths = [max(len(line[i]) for line in table) for i in range(len(_HEADERS))]
+    lines = [
+        "  ".join(
+            cell.ljust(width) if i in _LEFT else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(line, widths, strict=True))
+        ).rstrip()
+        for line in table
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    for row in rows:
+        if row.skipped is not None:
+            lines.append(f"{row.policy.ljust(widths[0])}  skipped: {row.skipped}")
+    lines.extend(_notes(rows))
+    if legend:
+        lines.extend(_legend(torch.device(device)))
+    return "\n".join(lines)
+
+
+def _notes(rows: Sequence[Row]) -> list[str]:
+    """Budgets, the Pareto front, the plans' recomputed modules, plans against their twins."""
+    lines = [""]
+    front = pareto_front(rows)
+    if front:
+        names = ", ".join(row.policy for row in front)
+        lines.append(
+            f"Pareto front (no variant has both a lower real peak and a faster step): {names}"
+        )
+    budgets = [row for row in rows if row.budget_bytes is not None]
+    if budgets:
+        text = ", ".join(f"{row.policy} = {_human(row.budget_bytes)}" for row in budgets)
+        activations = budgets[0].activation_bytes
+        if activations is not None and any(is_relative(row.policy) for row in budgets):
+            text += f" (shares of the {human_bytes(activations)} of activations one step saves)"
+        lines.append(f"budgets: {text}")
+    for row in rows:
+        if row.plan_recompute:
+            lines.append(f"{row.policy}: the plan recomputes {', '.join(row.plan_recompute)}")
+    lines.extend(_learning(rows))
+    return lines
+
+
+def _legend(device: torch.device) -> list[str]:
+    """Lines under the table that say what each column measures."""
+    if device.type == "cuda":
+        real = "real peak +: torch.cuda.max_memory_allocated over a step, less the allocated bytes"
+        start = "    at its start (weights, gradients)"
+    else:
+        real = "real peak +: growth of the resident set over a step (VmHWM), from a trimmed heap:"
+        start = "    all the process held, bytes waiting for the disk writer included"
+    return [
+        "",
+        real,
+        start,
+        "vs none, overhead: median over the timed rounds of the ratio to none in the same round",
+        "step: median of the timed steps, forward + backward (variants interleaved)",
+        "predicted step / peak: the planner's prediction for the step (session.plan); in",
+        "    brackets the measurement over the prediction, median of same-step ratios",
+        "stash peak: most stored bytes the stash counted per tier (disk: from pack, bytes",
+        "    still in RAM waiting for the writer included); ratio: original / stored bytes moved",
+        "grads equal: bitwise equal to plain autograd on every parameter, every step",
+    ]
+
+
+def _learning(rows: Sequence[Row]) -> list[str]:
+    """Lines on ``auto:<budget>`` rows run with twins: their plan against no plan (rule 6)."""
+    lines: list[str] = []
+    for row in rows:
+        effect = row.plan_effect()
+        if effect is None:
+            continue
+        lines.append(
+            f"{row.policy}: step time {effect.ratio:.2f}x that without a plan over "
+            f"{effect.steps} rounds (median of same-round ratios); real peak "
+            f"{human_bytes(effect.peak_bytes)} against {human_bytes(effect.no_plan_peak_bytes)}"
+        )
+    if lines:
+        lines[:0] = [
+            "Auto planning from its Profile against the same Auto without a plan (a fresh",
+            "Profile every step), run beside it in the same rounds:",
+        ]
+    return lines
+
+
+def format_title(
+    description: str,
+    device: str | torch.device,
+    dtype: str,
+    rows: Sequence[Row],
+    *,
+    threads: int,
+    warmup: int,
+) -> str:
+    """The line above a table: the model, the machine, the dtype, the activations, the rounds."""
+    mode = "bfloat16 autocast" if dtype == "bfloat16" else dtype
+    measured = [row for row in rows if row.skipped is None]
+    rounds = len(measured[0].step_times) if measured else 0
+    activations = next((row.activation_bytes for row in rows if row.activation_bytes), None)
+    parts = [description, f"{torch.device(device).type} {mode}", threads_text(threads)]
+    if activations is not None:
+        parts.append(f"activations {human_bytes(activations)} per step")
+    parts.append(f"medians of {rounds} timed round(s) after {warmup} warm-up round(s)")
+    return ", ".join(parts)
+
+
+def threads_text(threads: int) -> str:
+    """``'1 thread'``, ``'2 threads'``: torch's CPU threads, for a title."""
+    return f"{threads} thread" if threads == 1 else f"{threads} threads"
+
+
+def _times(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.2f}x"
+
+
+def _human(nbytes: int | None) -> str:
+    return "-" if nbytes is None else human_bytes(nbytes)

@@ -1,0 +1,325 @@
+"""The rounds of ``tensorstash bench``: every variant, interleaved, measured alike.
+
+# NOTE [ Fair comparison ]
+Every variant (no stash, each policy, each peer) runs in one process on one
+model, and the numbers are only comparable if nothing but the variant differs:
+
+1. Variants are interleaved step by step (A B C, B C A, C A B, ...): a burst of
+   machine noise hits every variant of a round alike, and each round starts
+   one variant further along, so none always runs first or after the same one.
+2. Every step starts from the same weights (a ``state_dict`` copy is
+   restored), the same batch and the same RNG seed (dropout masks), so
+   a lossless variant must produce gradients bitwise equal to plain autograd.
+3. The first rounds are untimed warm-up (``warmup``, 2 by default): one-time
+   work (lazy imports, thread pools, kernel caches), and Auto's learning steps
+   (rule 6). Every later round is timed.
+4. Before the first round, one plain-autograd step gives the reference
+   gradients ("none" is compared against them too, which checks that the
+   step itself is deterministic), and one ``Keep`` step gives the model's
+   activation bytes: the eligible bytes a step saves, the kept tier's peak
+   (parameters, buffers and tensors under ``min_bytes`` are skipped, not
+   counted), the base of ``auto:<n>%`` budgets.
+5. Memory is measured on every timed step, as NOTE [ Real memory ] in
+   memory.py says: the real peak growth (resident set on the CPU, from a
+   trimmed heap; ``max_memory_allocated`` on CUDA) is the headline. What the
+   stash counted per tier is a secondary figure: tiers peak at different
+   moments, skipped tensors are not in it, and it is not what the process
+   held (the disk tier counts bytes from pack on, those still waiting for the
+   writer in RAM included). The trim before each step makes every variant
+   touch fresh pages in its timed step, as the acceptance checks do.
+6. Auto variants ("auto", ``auto:<budget>``, "recompute") each carry their own
+   :class:`~tensorstash.Profile` across all their steps, warm-up included: the
+   warm-up rounds are their learning steps (the planner applies its plan from
+   the second step; checks count from the third), so the timed rounds follow
+   the plan. With ``--warmup`` below 2, the first timed steps still learn.
+   The plan each step ran under (``session.plan``, where the planner exposes
+   one) is read after the step: its predicted step time and real peak are
+   compared with that step's measurement. With ``twins``, each
+   ``auto:<budget>`` variant also has a twin that never plans (a fresh Profile
+   every step), run beside it in every round, the two in turn first: the
+   plan's effect is the median of the variant's step over its twin's.
+7. Timelines (``--plot``) and allocator snapshots (``--memory-snapshot``)
+   come from extra untimed rounds after the timed ones: their hooks cost time,
+   so no timed step carries them.
+8. On CUDA the whole run uses deterministic algorithms
+   (``torch.use_deterministic_algorithms``, and ``CUBLAS_WORKSPACE_CONFIG``
+   set to ":4096:8" unless the user set it), restored afterwards: some CUDA
+   kernels (atomic adds in attention and embedding backward) give different
+   bits on every run, and rule 4's check would then say nothing.
+9. Every ratio is the median over the timed rounds of a ratio inside one
+   round (overhead, real peak against none, a plan against its twin) or one
+   step (measured over predicted), never a ratio of medians: the rounds share
+   the machine's state, the medians do not.
+10. ``--dtype bfloat16`` runs the forward under bfloat16 autocast, weights and
+    gradients staying float32, the reference too. Each dtype is a run of its
+    own (reference, activation bytes, rounds); ``--sweep`` runs both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from tensorstash.bench.measure import (
+    DTYPES,
+    StepResult,
+    StepRunner,
+    dtype_name,
+    resolve_device,
+    resolve_dtype,
+)
+from tensorstash.bench.rows import Row, summarize
+from tensorstash.bench.snapshot import check_memory_snapshot, snapshot_round
+from tensorstash.bench.variants import (
+    AUTO_PREFIX,
+    BASELINE,
+    DEFAULT_POLICIES,
+    NO_PLAN,
+    SWEEP_POLICIES,
+    budget_bytes,
+    check_blocks,
+    resolve_policies,
+    skip_reason,
+)
+from tensorstash.bench.workloads import Workload, builtin_workload
+
+Progress = Callable[[str], None]
+"""Called with the variant's name after every step."""
+
+
+def planned_steps(
+    policies: Sequence[str],
+    steps: int,
+    warmup: int = 2,
+    *,
+    timeline: bool = False,
+    memory_snapshot: bool = False,
+    twins: bool = False,
+    device: str | torch.device = "cpu",
+) -> int:
+    """How many steps :func:`run_bench` runs: reference, warm-up, timed and extra rounds."""
+    names = _runnable(resolve_policies(policies), torch.device(device))
+    extra = int(timeline) + int(memory_snapshot)
+    twin_count = sum(len(group) - 1 for group in _groups(names, twins=twins))
+    return 2 + len(names) * (warmup + steps + extra) + twin_count * (warmup + steps)
+
+
+def _runnable(names: list[str], device: torch.device) -> list[str]:
+    return [name for name in names if skip_reason(name, device) is None]
+
+
+def _groups(names: Sequence[str], *, twins: bool) -> list[list[str]]:
+    """The variants in run order, each ``auto:<budget>`` with its twin beside it (rule 6)."""
+    return [
+        [name, name + NO_PLAN] if twins and name.startswith(AUTO_PREFIX) else [name]
+        for name in names
+    ]
+
+
+def round_order(groups: list[list[str]], index: int) -> list[str]:
+    """The variants of round ``index``: rotated by one per round (rule 1), twins in turn first."""
+    shift = index % len(groups) if groups else 0
+    order: list[str] = []
+    for group in groups[shift:] + groups[:shift]:
+        order.extend(reversed(group) if index % 2 else group)
+    return order
+
+
+def run_bench(
+    config_name: str = "small",
+    policies: Sequence[str] = DEFAULT_POLICIES,
+    steps: int = 3,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "float32",
+    seed: int = 0,
+    *,
+    warmup: int = 2,
+    progress: Progress | None = None,
+    workload: Workload | None = None,
+    timeline: bool = False,
+    memory_snapshot: str | Path | None = None,
+    twins: bool = False,
+) -> list[Row]:
+    """Train a model for a few steps under each variant and measure them.
+
+    The variants are interleaved and compared as NOTE [ Fair comparison ]
+    describes; "none" (plain autograd) is always run first, as the baseline.
+
+    Args:
+        config_name: a built-in model: "tiny", "small", "medium", "large" or "gpt2-hf".
+        policies: names from ``ALL_POLICIES``, ``OPTIONAL_PEERS`` or ``auto:<budget>``.
+        steps: timed rounds.
+        device: "cpu" or "cuda".
+        dtype: "float32", or "bfloat16" for the forward under autocast (rule 10).
+        seed: seeds the weights, the batch and dropout.
+        warmup: untimed rounds first, Auto's learning steps among them (rules 3, 6).
+        progress: called with the variant's name after every step.
+        workload: a model of your own (see ``script_workload``) instead of a
+            built-in one; ``config_name`` is then unused.
+        timeline: run one more untimed step per variant that records memory
+            over it (``Row.timeline``, for :func:`tensorstash.bench.plot.plot`).
+        memory_snapshot: a directory: run one more untimed step per variant
+            under ``torch.cuda.memory._record_memory_history`` and dump it to
+            ``<directory>/<policy>.pickle`` for https://pytorch.org/memory_viz
+            (CUDA only).
+        twins: run each ``auto:<budget>`` beside a twin that never plans (rule 6).
+
+    Returns:
+        One :class:`Row` per variant, "none" first; optional peers that cannot
+        run here come back as skipped rows, with the reason.
+
+    Raises:
+        ValueError: an unknown model, policy or dtype, ``steps < 1``, CUDA
+            requested without a CUDA device, a snapshot asked for off CUDA, or
+            "checkpoint"/"recompute" asked for on a workload without blocks.
+        WorkloadUnavailable: "gpt2-hf" without transformers.
+        ModelScriptError: the model does not return a scalar loss.
+
+    Example:
+        >>> for row in run_bench("tiny", ["lz4", "auto:50%"], steps=2):
+        ...     print(row.policy, row.real_peak_bytes, row.overhead, row.grads_equal)
+    """
+    names = resolve_policies(policies)
+    if steps < 1 or warmup < 0:
+        raise ValueError(
+            f"tensorstash bench: steps={steps}, warmup={warmup}; pass steps >= 1 "
+            "(--steps 1) and warmup >= 0"
+        )
+    resolved_device, resolved_dtype = resolve_device(device), resolve_dtype(dtype)
+    if memory_snapshot is not None:
+        check_memory_snapshot(resolved_device)
+    if workload is None:
+        workload = builtin_workload(config_name, seed)
+    check_blocks(names, workload)
+    with _deterministic(resolved_device):
+        runner = StepRunner(workload, resolved_device, resolved_dtype, seed)
+        rounds = _Rounds(runner, names, steps, warmup, twins, progress)
+        return rounds.run(timeline, memory_snapshot)
+
+
+def run_sweep(
+    config_name: str = "small",
+    steps: int = 8,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    *,
+    policies: Sequence[str] = SWEEP_POLICIES,
+    warmup: int = 2,
+    progress: Progress | None = None,
+    workload: Workload | None = None,
+    timeline: bool = False,
+) -> list[Row]:
+    """``tensorstash bench --sweep``: :func:`run_bench` in float32, then under bf16 autocast.
+
+    Runs Auto at 25, 50 and 75% of the activation bytes beside none,
+    checkpoint, recompute, save_on_cpu, cpu, lz4, disk and the default Auto,
+    and on a GPU the optional peers (:data:`~tensorstash.bench.variants.SWEEP_POLICIES`).
+    ``timeline`` records the float32 run's timelines only.
+
+    Returns:
+        The rows of both runs, float32 first (``Row.dtype`` tells them apart).
+    """
+    if workload is None:
+        workload = builtin_workload(config_name, seed)
+    rows: list[Row] = []
+    for index, dtype in enumerate(DTYPES):
+        rows += run_bench(
+            config_name, policies, steps, device, dtype, seed,
+            warmup=warmup, progress=progress, workload=workload,
+            timeline=timeline and index == 0,
+        )  # fmt: skip
+    return rows
+
+
+@contextlib.contextmanager
+def _deterministic(device: torch.device) -> Iterator[None]:
+    """Rule 8 of NOTE [ Fair comparison ]: deterministic CUDA kernels for the run."""
+    if device.type != "cuda":
+        yield
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+class _Rounds:
+    """One run's rounds, in the order NOTE [ Fair comparison ] gives."""
+
+    def __init__(
+        self,
+        runner: StepRunner,
+        names: list[str],
+        steps: int,
+        warmup: int,
+        twins: bool,
+        progress: Progress | None,
+    ) -> None:
+        self.runner = runner
+        self.names = names
+        self.runnable = _runnable(names, runner.device)
+        self.groups = _groups(self.runnable, twins=twins)
+        self.steps = steps
+        self.warmup = warmup
+        self.tick = progress or (lambda name: None)
+        self.dtype = dtype_name(runner.dtype)
+
+    def run(self, timeline: bool, memory_snapshot: str | Path | None) -> list[Row]:
+        self.runner.take_reference()  # rule 4
+        self.tick(BASELINE)
+        self.tick("keep")
+        warm = self._rounds(self.warmup)  # rule 3
+        timed = self._rounds(self.steps, first=self.warmup)  # rules 1, 5 and 6
+        traces: dict[str, StepResult] = {}
+        if timeline:  # rule 7
+            for name in self.runnable:
+                traces[name] = self.runner.step(name, timeline=True)
+                self.tick(name)
+        if memory_snapshot is not None:
+            snapshot_round(self.runner, self.runnable, Path(memory_snapshot), self.tick)
+        return [self._row(name, warm, timed, traces.get(name)) for name in self.names]
+
+    def _rounds(self, count: int, first: int = 0) -> dict[str, list[StepResult]]:
+        results: dict[str, list[StepResult]] = {n: [] for group in self.groups for n in group}
+        for index in range(first, first + count):
+            for name in round_order(self.groups, index):
+                results[name].append(self.runner.step(name))
+                self.tick(name)
+        return results
+
+    def _row(
+        self,
+        name: str,
+        warm: dict[str, list[StepResult]],
+        timed: dict[str, list[StepResult]],
+        trace: StepResult | None,
+    ) -> Row:
+        why = skip_reason(name, self.runner.device)
+        if why is not None:
+            return Row.skip(name, self.dtype, why)
+        activations = self.runner.activation_bytes
+        row = summarize(name, self.dtype, timed[name], timed[BASELINE], warm[name])
+        row = replace(
+            row,
+            activation_bytes=activations,
+            budget_bytes=budget_bytes(name, activations),
+            timeline=None if trace is None else trace.timeline,
+        )
+        twin = timed.get(name + NO_PLAN)
+        if twin is None:
+            return row
+        return replace(
+            row,
+            grads_equal=bool(row.grads_equal)
+            and all(r.grads_equal for r in warm[name + NO_PLAN] + twin),
+            no_plan_step_times=tuple(r.seconds for r in twin),
+            no_plan_peak_bytes=tuple(r.peak_bytes for r in twin),
+        )

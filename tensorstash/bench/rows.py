@@ -1,0 +1,237 @@
+"""One variant's result, summarised from its steps: medians of same-round ratios.
+
+Rule 9 of NOTE [ Fair comparison ] (rounds.py): every ratio is the median over
+the timed rounds of a ratio taken inside one round, never a ratio of medians.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from tensorstash.bench.measure import StepResult
+from tensorstash.bench.variants import AUTO_PREFIX
+from tensorstash.stats import TIERS
+
+NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One variant's result in one dtype (see NOTE [ Fair comparison ] for how it is measured).
+
+    Attributes:
+        policy: the variant's name.
+        dtype: "float32", or "bfloat16" (the forward under autocast).
+        step_s: median seconds of a forward and backward over the timed steps.
+        overhead: median over the timed rounds of the step over the step of
+            "none" in the same round.
+        real_peak_bytes: median over the timed steps of the real peak growth
+            (NOTE [ Real memory ] in memory.py: resident set on the CPU,
+            allocated memory on CUDA).
+        peak_vs_none: median over the timed rounds of the real peak over that
+            of "none" in the same round.
+        grads_equal: every step's gradients bitwise equal to plain autograd's
+            (None for a skipped row: nothing was checked).
+        tiers: the stash's per-tier counters of the last step (None without a session).
+        stash_peak_bytes: per tier, the most stored bytes the stash counted at
+            once over the timed steps: what it counted, not what the process
+            held ("disk" counts bytes from pack on, those still waiting for
+            the writer included, which are in RAM).
+        compression_ratio: original over stored bytes of what left the device
+            (None without a session).
+        step_times, step_overheads, step_peak_bytes: per timed step, in order.
+        activation_bytes: the eligible bytes one step saves (a Keep session's
+            kept peak), the base of ``auto:<n>%`` budgets.
+        budget_bytes: the budget of an ``auto:<budget>`` row, in bytes.
+        predicted_step_s, predicted_peak_bytes: the planner's prediction
+            (``session.plan``), median over the timed steps that had one.
+        step_over_predicted, peak_over_predicted: median over those steps of
+            the measurement over the prediction of the same step.
+        plan_recompute: the modules the last timed step's plan recomputed.
+        no_plan_step_times, no_plan_peak_bytes: with ``twins``, each timed step
+            of the same Auto without a plan (rule 6 of the NOTE).
+        skipped: why the variant did not run (an optional peer), else None.
+        timeline: memory over one untimed step (``--plot``), else None.
+    """
+
+    policy: str
+    dtype: str
+    step_s: float
+    overhead: float
+    real_peak_bytes: int | None
+    peak_vs_none: float
+    grads_equal: bool | None
+    tiers: dict[str, dict[str, int]] | None = None
+    stash_peak_bytes: dict[str, int] | None = None
+    compression_ratio: float | None = None
+    step_times: tuple[float, ...] = ()
+    step_overheads: tuple[float, ...] = ()
+    step_peak_bytes: tuple[int, ...] = ()
+    activation_bytes: int | None = None
+    budget_bytes: int | None = None
+    predicted_step_s: float | None = None
+    predicted_peak_bytes: int | None = None
+    step_over_predicted: float | None = None
+    peak_over_predicted: float | None = None
+    plan_recompute: tuple[str, ...] = ()
+    no_plan_step_times: tuple[float, ...] = ()
+    no_plan_peak_bytes: tuple[int, ...] = ()
+    skipped: str | None = None
+    timeline: dict[str, Any] | None = None
+
+    @classmethod
+    def skip(cls, policy: str, dtype: str, reason: str) -> Row:
+        """The row of a variant that could not run here, and why."""
+        return cls(policy, dtype, NAN, NAN, None, NAN, grads_equal=None, skipped=reason)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field (NaN, for what was not measured, as None)."""
+        data = asdict(self)
+        for name, value in data.items():
+            if isinstance(value, tuple):
+                data[name] = list(value)
+            elif isinstance(value, float) and not math.isfinite(value):
+                data[name] = None
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Row:
+        """The row :meth:`to_dict` wrote (e.g. read back from ``--json``)."""
+        values = dict(data)
+        for field in fields(cls):
+            value = values.get(field.name)
+            if field.name in _FLOATS and value is None:
+                values[field.name] = NAN
+            elif isinstance(value, list):
+                values[field.name] = tuple(value)
+        return cls(**values)
+
+    def plan_effect(self) -> PlanEffect | None:
+        """Rule 6 of the NOTE: this row's timed steps against its twin without a plan.
+
+        None unless an ``auto:<budget>`` row has its twin's steps (``twins``).
+        """
+        twin = self.no_plan_step_times
+        if not self.policy.startswith(AUTO_PREFIX) or not twin:
+            return None
+        return PlanEffect(
+            steps=len(twin),
+            ratio=same_round_median(self.step_times, twin),
+            step_s=statistics.median(self.step_times),
+            no_plan_step_s=statistics.median(twin),
+            peak_bytes=int(statistics.median(self.step_peak_bytes)),
+            no_plan_peak_bytes=int(statistics.median(self.no_plan_peak_bytes)),
+        )
+
+
+_FLOATS = ("step_s", "overhead", "peak_vs_none")
+
+
+@dataclass(frozen=True)
+class PlanEffect:
+    """Auto following its plan against its twin without one (see :meth:`Row.plan_effect`).
+
+    Attributes:
+        steps: the timed steps compared.
+        ratio: median over them of the row's step over its twin's, same round.
+        step_s, no_plan_step_s: median step time of each.
+        peak_bytes, no_plan_peak_bytes: median real peak of each.
+    """
+
+    steps: int
+    ratio: float
+    step_s: float
+    no_plan_step_s: float
+    peak_bytes: int
+    no_plan_peak_bytes: int
+
+
+def same_round_median(values: Sequence[float], baseline: Sequence[float]) -> float:
+    """Median of ``value / base`` over rounds where the base is positive (NaN if none is)."""
+    ratios = [v / b for v, b in zip(values, baseline, strict=True) if b > 0]
+    return statistics.median(ratios) if ratios else NAN
+
+
+def summarize(
+    name: str,
+    dtype: str,
+    steps: list[StepResult],
+    baseline: list[StepResult],
+    checked: Iterable[StepResult] = (),
+) -> Row:
+    """A variant's row from its timed steps and those of "none" in the same rounds.
+
+    Args:
+        name: the variant.
+        dtype: the run's dtype name.
+        steps: its timed steps, one per round.
+        baseline: the timed steps of "none", one per round.
+        checked: its other steps (warm-up), whose gradients count too.
+    """
+    times = tuple(r.seconds for r in steps)
+    peaks = tuple(r.peak_bytes for r in steps)
+    last = steps[-1].stats
+    plans = [(r, r.plan) for r in steps if r.plan is not None]
+    step_plans = [(r.seconds, p.predicted_step_s) for r, p in plans if p.predicted_step_s]
+    peak_plans = [
+        (r.peak_bytes, p.predicted_peak_bytes) for r, p in plans if p.predicted_peak_bytes
+    ]
+    return Row(
+        policy=name,
+        dtype=dtype,
+        step_s=statistics.median(times),
+        overhead=same_round_median(times, [r.seconds for r in baseline]),
+        real_peak_bytes=int(statistics.median(peaks)),
+        peak_vs_none=same_round_median(peaks, [r.peak_bytes for r in baseline]),
+        grads_equal=all(r.grads_equal for r in (*checked, *steps)),
+        tiers=None if last is None else last["tiers"],
+        stash_peak_bytes=_stash_peaks(steps),
+        compression_ratio=None if last is None else float(last["compression_ratio"]),
+        step_times=times,
+        step_overheads=tuple(
+            r.seconds / b.seconds if b.seconds > 0 else NAN
+            for r, b in zip(steps, baseline, strict=True)
+        ),
+        step_peak_bytes=peaks,
+        predicted_step_s=_median_of(p for _, p in step_plans),
+        predicted_peak_bytes=_int_or_none(_median_of(p for _, p in peak_plans)),
+        step_over_predicted=_median_of(m / p for m, p in step_plans),
+        peak_over_predicted=_median_of(m / p for m, p in peak_plans),
+        plan_recompute=plans[-1][1].recompute if plans else (),
+    )
+
+
+def _stash_peaks(steps: list[StepResult]) -> dict[str, int] | None:
+    """Per tier, the largest ``peak_bytes`` over the steps (None without a session)."""
+    counted = [r.stats["tiers"] for r in steps if r.stats is not None]
+    if not counted:
+        return None
+    return {tier: max(int(tiers[tier]["peak_bytes"]) for tiers in counted) for tier in TIERS}
+
+
+def _median_of(values: Iterable[float]) -> float | None:
+    known = list(values)
+    return statistics.median(known) if known else None
+
+
+def _int_or_none(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def pareto_front(rows: Sequence[Row]) -> list[Row]:
+    """The rows no other row beats on both real peak and step time (skipped rows aside).
+
+    A row is dominated when another has a real peak at or below its own and a
+    step time at or below its own, one of the two strictly below.
+    """
+    measured = [(row, row.real_peak_bytes) for row in rows if row.skipped is None]
+    points = [(row, peak, row.step_s) for row, peak in measured if peak is not None]
+
+    def beaten(peak: int, step_s: float) -> bool:
+        return any(p <= peak and s <= step_s and (p < peak or s < step_s) for _, p, s in points)
+
+    return [row for row, peak, step_s in points if not beaten(peak, step_s)]

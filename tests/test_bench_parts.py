@@ -1,0 +1,220 @@
+"""Tests of the bench's parts: rows and their ratios, the Pareto front, budgets, the memory
+meters and the figure. The whole runs are in test_bench.py."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tensorstash import bench
+from tensorstash.bench import plot as _plot
+from tensorstash.bench.measure import StepResult
+from tensorstash.bench.memory import PeakRss
+from tensorstash.bench.rows import same_round_median, summarize
+
+MIB = 2**20
+
+# One torch thread: on a loaded 2-core machine, idle OpenMP threads spin against busy ones.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _step(seconds: float, peak: int, **kwargs: Any) -> StepResult:
+    return StepResult(seconds, grads_equal=True, stats=None, peak_bytes=peak, **kwargs)
+
+
+def _row(policy: str, step_s: float, peak: int, dtype: str = "float32", **kwargs: Any) -> bench.Row:
+    return bench.Row(policy, dtype, step_s, 1.0, peak, 1.0, grads_equal=True, **kwargs)
+
+
+# -- rows ----------------------------------------------------------------------------------
+
+
+def test_summarize_takes_medians_of_same_round_ratios() -> None:
+    """Rule 9: a median of ratios, which differs from the ratio of the medians here."""
+    baseline = [_step(1.0, 100), _step(2.0, 100), _step(4.0, 50)]
+    mine = [_step(1.5, 50), _step(2.0, 80), _step(8.0, 50)]
+    row = summarize("lz4", "float32", mine, baseline)
+    assert row.overhead == pytest.approx(1.5)  # ratios 1.5, 1.0, 2.0
+    assert statistics.median([1.5, 2.0, 8.0]) / statistics.median([1.0, 2.0, 4.0]) == 1.0
+    assert row.peak_vs_none == pytest.approx(0.8)  # ratios 0.5, 0.8, 1.0
+    assert row.step_s == 2.0 and row.real_peak_bytes == 50
+    assert row.step_overheads == (1.5, 1.0, 2.0) and row.step_peak_bytes == (50, 80, 50)
+
+
+def test_summarize_counts_warm_up_gradients() -> None:
+    wrong = StepResult(1.0, grads_equal=False, stats=None, peak_bytes=1)
+    row = summarize("lz4", "float32", [_step(1.0, 1)], [_step(1.0, 1)], [wrong])
+    assert row.grads_equal is False
+
+
+def test_same_round_median_skips_rounds_without_a_base() -> None:
+    assert same_round_median([1.0, 3.0], [0.0, 2.0]) == 1.5
+    assert math.isnan(same_round_median([1.0], [0.0]))
+
+
+def test_row_round_trips_through_json_with_skips() -> None:
+    skipped = bench.Row.skip("trl", "bfloat16", "needs CUDA streams (a GPU run)")
+    data = skipped.to_dict()
+    assert data["step_s"] is None and data["overhead"] is None and data["peak_vs_none"] is None
+    back = bench.Row.from_dict(data)
+    assert back.skipped == skipped.skipped and math.isnan(back.step_s)
+    measured = _row("lz4", 0.5, MIB, step_times=(0.5, 0.6), plan_recompute=("blocks.0",))
+    assert bench.Row.from_dict(measured.to_dict()) == measured
+
+
+def test_pareto_front_keeps_what_nothing_beats() -> None:
+    rows = [
+        _row("none", 1.0, 100),
+        _row("checkpoint", 1.3, 60),
+        _row("slow", 1.5, 60),  # as small as checkpoint, slower: beaten
+        _row("auto", 1.2, 70),
+        _row("worse", 1.2, 80),  # as fast as auto, larger: beaten
+        bench.Row.skip("trl", "float32", "not here"),
+    ]
+    assert [row.policy for row in bench.pareto_front(rows)] == ["none", "checkpoint", "auto"]
+
+
+def test_plan_effect_compares_the_row_with_its_twin() -> None:
+    row = _row(
+        "auto:8MiB", 0.3, 8 * MIB,
+        step_times=(0.27, 0.24, 0.3), step_peak_bytes=(8 * MIB,) * 3,
+        no_plan_step_times=(0.3, 0.3, 0.3), no_plan_peak_bytes=(10 * MIB,) * 3,
+    )  # fmt: skip
+    effect = row.plan_effect()
+    assert effect is not None
+    assert effect.ratio == pytest.approx(0.9) and effect.steps == 3
+    assert (effect.peak_bytes, effect.no_plan_peak_bytes) == (8 * MIB, 10 * MIB)
+    assert _row("auto:8MiB", 0.3, 1).plan_effect() is None
+    table = bench.format_table([row])
+    assert "auto:8MiB: step time 0.90x that without a plan over 3 rounds" in table
+    assert "real peak 8.0 MiB against 10.0 MiB" in table
+
+
+# -- budgets and names ---------------------------------------------------------------------
+
+
+def test_budget_bytes_in_bytes_and_in_percent() -> None:
+    assert bench.budget_bytes("auto:8MiB", None) == 8 * MIB
+    assert bench.budget_bytes("auto:50%", 1000) == 500
+    assert bench.budget_bytes("auto:12.5%", 1000) == 125
+    assert bench.budget_bytes("lz4", 1000) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("auto:0%", "must be a number in"),
+        ("auto:half%", "must be a number in"),
+        ("auto:50%", "pass activation_bytes"),
+    ],
+)
+def test_budget_bytes_errors_say_what_to_pass(name: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        bench.budget_bytes(name, None)
+
+
+def test_resolve_policies_puts_baseline_first_and_drops_repeats() -> None:
+    assert bench.resolve_policies(["lz4", "none", "lz4", "auto:50%", "trl"]) == [
+        "none",
+        "lz4",
+        "auto:50%",
+        "trl",
+    ]
+
+
+@pytest.mark.parametrize("name", ["zstd", "auto:lots", "auto:-3%"])
+def test_resolve_policies_unknown_raises_value_error(name: str) -> None:
+    with pytest.raises(
+        ValueError, match=rf"tensorstash bench: unknown policy '{name}'.*none, keep"
+    ):
+        bench.resolve_policies([name])
+
+
+def test_skip_reason_names_cuda_then_the_install() -> None:
+    cpu = torch.device("cpu")
+    assert bench.skip_reason("lz4", cpu) is None
+    assert bench.skip_reason("torchtune", cpu) == "needs CUDA streams (a GPU run)"
+
+
+# -- the real memory meters ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("resettable", [True, False], ids=["high-water mark", "sampled"])
+def test_peak_rss_sees_memory_touched_and_freed_inside(resettable: bool) -> None:
+    bench.return_free_memory()
+    with PeakRss(resettable=resettable) as meter:
+        block = torch.ones(64 * MIB // 4)  # 64 MiB, every page written
+        time.sleep(0.05)  # long enough for the sampler, which wakes every millisecond
+        del block
+    assert meter.sampled is not resettable
+    assert meter.delta_bytes >= 48 * MIB
+
+
+def test_peak_rss_of_a_region_that_allocates_nothing_is_small() -> None:
+    bench.return_free_memory()
+    with PeakRss() as meter:
+        sum(range(1000))
+    assert meter.delta_bytes < 8 * MIB
+
+
+# -- --plot --------------------------------------------------------------------------------
+
+
+def test_bench_plot_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    found = bench.run_bench("tiny", ["keep", "disk"], steps=1, warmup=0, timeline=True)
+    assert _plot.plot(found, png, title="tiny").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert 10_000 < png.stat().st_size < 200_000
+    keep = found[1].timeline
+    assert keep is not None
+    # Forward rises, backward falls: the peak comes at the end of forward, nothing is left.
+    assert keep["kept"][0] == 0 and max(keep["kept"]) > 0 and keep["kept"][-1] == 0
+    peak_at = keep["t_s"][keep["kept"].index(max(keep["kept"]))]
+    assert peak_at <= keep["backward_at_s"]
+    assert keep["t_s"] == sorted(keep["t_s"])
+    assert len(keep["real"]) == len(keep["t_s"]) and max(keep["real"]) > 0
+
+
+def test_plot_draws_both_dtypes_predictions_twins_and_skips(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    rows = [
+        _row("none", 0.1, 80 * MIB),
+        _row("checkpoint", 0.13, 50 * MIB),
+        _row(
+            "auto:50%", 0.12, 55 * MIB,
+            predicted_step_s=0.11, predicted_peak_bytes=50 * MIB,
+            step_times=(0.12,), step_peak_bytes=(55 * MIB,),
+            no_plan_step_times=(0.2,), no_plan_peak_bytes=(60 * MIB,),
+        ),
+        _row("none", 2.0, 40 * MIB, dtype="bfloat16"),
+        _row("checkpoint", 2.5, 30 * MIB, dtype="bfloat16"),
+        bench.Row.skip("trl", "float32", "needs CUDA streams (a GPU run)"),
+    ]  # fmt: skip
+    path = _plot.plot(rows, tmp_path / "sweep.png", title="sweep " * 40)
+    assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_bench_plot_without_matplotlib_fails_before_training(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tensorstash.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes the import raise ImportError
+
+    def no_training(*args: object, **kwargs: object) -> None:
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(bench, "run_bench", no_training)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--model", "tiny", "--plot", str(tmp_path / "x.png")])
+    assert exit_info.value.code == 2
+    assert "pip install tensorstash[plot]" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
