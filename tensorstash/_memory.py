@@ -1,115 +1,193 @@
-"""What the process or the device really holds: the peak over a span of time.
+"""Real memory over a step: what the process holds, not what a stash counts.
 
 # NOTE [ Real memory ]
-1. On a CUDA device the real figure is ``torch.cuda.max_memory_allocated``: the
-   meter resets the device's peak statistics when it starts and reports the
-   peak less what was allocated then.
-2. On the CPU it is the resident set. Linux keeps the process's high-water mark
-   (``VmHWM`` in /proc/self/status) and resets it to the current resident size
-   when "5" is written to /proc/self/clear_refs: the meter resets it when it
-   starts and reads it when it stops, exact and cheap (no sampling thread).
-   Where that file cannot be written, it samples the resident size on a thread.
-3. Both are process- or device-wide: a meter resets the peak that other tools
-   read. Freed memory often stays in the process (glibc keeps it for reuse), so
-   the growth over a step depends on what the heap held before; the bench
-   trims the heap (``malloc_trim``) before each measured step.
+1. On the CPU the real peak of a step is the most the process's resident set
+   grew over it: Linux's high-water mark (``VmHWM`` in /proc/self/status)
+   after resetting it to the current resident set (writing "5" to
+   /proc/self/clear_refs), less the resident set at the step's start. Exact
+   (the kernel keeps the maximum), and two small file operations per step.
+2. Where clear_refs cannot be written (not Linux, or not allowed), a thread
+   samples the resident set every millisecond instead; it may miss a peak
+   shorter than that, and its wake-ups cost the step a little time.
+3. Before a step, garbage is collected and glibc's free heap is handed back to
+   the operating system (``malloc_trim(0)``): glibc keeps freed memory, so a
+   step would otherwise reuse the last step's pages and show no growth at all
+   (see DESIGN.md, measured facts). Every variant starts from the same trimmed
+   heap, and its step time includes the first touch of the fresh pages it uses
+   (about 1.2 GB/s on the 2-core machines here), as in a process just started.
+4. Everything the process holds counts: bytes a stash counts as "disk" that
+   still wait for the writer, compressed buffers, allocator slack, the
+   recomputation of a checkpointed block.
+5. On CUDA the real peak is ``torch.cuda.max_memory_allocated`` over the step,
+   after ``reset_peak_memory_stats``, less ``memory_allocated`` at its start:
+   what the step added to the tensors already there (weights, gradients). The
+   caching allocator counts on the host as kernels are queued, so a profile
+   measuring a training step does not wait for the device (``sync=False``);
+   the bench does, to close each region where the device finished it.
+6. Both peaks are process- or device-wide: a meter resets the high-water mark
+   other tools read too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
+import os
+import sys
 import threading
-import time
 
 import psutil
 import torch
 
-_PAGE = 1024  # VmHWM and VmRSS are in kB
-_CLEAR_REFS = "/proc/self/clear_refs"
-_STATUS = "/proc/self/status"
 
-
-def _status_kb(field: str) -> int | None:
+def current_rss() -> int:
+    """The process's resident set size in bytes (/proc/self/statm where it exists: cheap)."""
     try:
-        with open(_STATUS, encoding="ascii") as status:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE
+    except OSError:
+        return int(psutil.Process().memory_info().rss)
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _high_water_rss() -> int | None:
+    """Linux's VmHWM, the process's peak resident set, or None where unavailable."""
+    try:
+        with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith(field):
-                    return int(line.split()[1])
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
 
 
-def _reset_high_water_mark() -> bool:
+def _reset_high_water_rss() -> bool:
+    """Reset VmHWM to the current resident set (Linux >= 4.0); False where not allowed."""
     try:
-        with open(_CLEAR_REFS, "w", encoding="ascii") as refs:
-            refs.write("5")
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
     except OSError:
         return False
-    return True
+    return _high_water_rss() is not None
 
 
-def trim_heap() -> None:
-    """Give the heap's free memory back to the system (glibc's ``malloc_trim``), if there is one."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+def return_free_memory() -> None:
+    """Rule 3 of NOTE [ Real memory ]: collect garbage, return glibc's free heap to the OS."""
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-class PeakMeter:
-    """The peak memory growth over a span (rules 1 and 2 of NOTE [ Real memory ]).
+class PeakRss:
+    """How far the resident set grows over a region (rules 1 and 2 of NOTE [ Real memory ]).
 
     Args:
-        device: a CUDA device measures allocated device memory; anything else
-            measures the process's resident memory.
+        interval_s: the sampling thread's period, where the high-water mark
+            cannot be reset.
+        resettable: whether to use the high-water mark; injected for tests.
+
+    Attributes:
+        delta_bytes: the growth, set on exit.
+        sampled: whether a sampling thread measured it (rule 2).
 
     Example:
-        >>> meter = PeakMeter(torch.device("cpu"))
-        >>> meter.start()
-        >>> loss = model(x).sum(); loss.backward()
-        >>> meter.stop()  # bytes the peak rose over where it started
+        >>> with PeakRss() as meter:
+        ...     run_step()
+        >>> meter.delta_bytes
     """
 
-    def __init__(self, device: torch.device | None = None) -> None:
-        self.device = device if device is not None and device.type == "cuda" else None
-        self._base = 0
-        self._sampled = 0
-        self._sampler: threading.Thread | None = None
+    def __init__(self, interval_s: float = 0.001, *, resettable: bool = True) -> None:
+        self.delta_bytes = 0
+        self.sampled = False
+        self._interval_s = interval_s
+        self._resettable = resettable
+        self._start = 0
+        self._most = 0
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Begin the span: reset the peak, remember where memory stands."""
-        if self.device is not None:
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-            return
-        self._base = _rss()
-        if not _reset_high_water_mark():
-            self._sampled = self._base
-            self._stop.clear()
-            self._sampler = threading.Thread(target=self._sample, name="tensorstash-meter")
-            self._sampler.start()
+        """Begin the region (what ``with`` does)."""
+        self.__enter__()
 
     def stop(self) -> int:
-        """End the span: the bytes the peak rose over the start (0 if it never rose)."""
-        if self.device is not None:
-            return max(0, torch.cuda.max_memory_allocated(self.device) - self._base)
-        if self._sampler is not None:
-            self._stop.set()
-            self._sampler.join()
-            self._sampler = None
-            peak = self._sampled
+        """End the region (what ``with`` does); the growth in bytes."""
+        self.__exit__(None, None, None)
+        return self.delta_bytes
+
+    def __enter__(self) -> PeakRss:
+        reset = self._resettable and _reset_high_water_rss()
+        self._start = current_rss()
+        if not reset:
+            self.sampled = True
+            self._most = self._start
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._thread is None:
+            peak = max(_high_water_rss() or 0, current_rss())
         else:
-            high = _status_kb("VmHWM:")
-            peak = high * _PAGE if high is not None else _rss()
-        return max(0, peak - self._base)
+            self._stop.set()
+            self._thread.join()
+            peak = max(self._most, current_rss())
+        self.delta_bytes = max(0, peak - self._start)
 
     def _sample(self) -> None:
-        while not self._stop.is_set():
-            self._sampled = max(self._sampled, _rss())
-            time.sleep(0.0005)
+        while not self._stop.wait(self._interval_s):
+            self._most = max(self._most, current_rss())
 
 
-def _rss() -> int:
-    resident = _status_kb("VmRSS:")
-    return resident * _PAGE if resident is not None else int(psutil.Process().memory_info().rss)
+class CudaPeak:
+    """How far CUDA allocated memory grows over a region (rule 5 of NOTE [ Real memory ]).
+
+    Args:
+        device: the CUDA device.
+        sync: wait for the device at the region's ends (the bench); a profile
+            does not (rule 5).
+    """
+
+    def __init__(self, device: torch.device, *, sync: bool = True) -> None:
+        self.delta_bytes = 0
+        self._device = device
+        self._sync = sync
+        self._start = 0
+
+    def start(self) -> None:
+        """Begin the region (what ``with`` does)."""
+        self.__enter__()
+
+    def stop(self) -> int:
+        """End the region (what ``with`` does); the growth in bytes."""
+        self.__exit__(None, None, None)
+        return self.delta_bytes
+
+    def __enter__(self) -> CudaPeak:
+        if self._sync:
+            torch.cuda.synchronize(self._device)
+        torch.cuda.reset_peak_memory_stats(self._device)
+        self._start = torch.cuda.memory_allocated(self._device)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._sync:
+            torch.cuda.synchronize(self._device)
+        self.delta_bytes = max(0, torch.cuda.max_memory_allocated(self._device) - self._start)
+
+
+def meter(device: torch.device, *, sync: bool = True) -> PeakRss | CudaPeak:
+    """The real-memory meter of ``device``: :class:`CudaPeak` on CUDA, else :class:`PeakRss`."""
+    return CudaPeak(device, sync=sync) if device.type == "cuda" else PeakRss()
+
+
+def real_memory_now(device: torch.device) -> int:
+    """What the process holds now: CUDA allocated bytes, or the resident set."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return current_rss()

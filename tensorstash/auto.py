@@ -402,10 +402,9 @@ class _AutoState:
     def left(self, module: nn.Module) -> None:
         return None
 
-    def end(self) -> tuple[str, ...]:
-        """The session exits: give every module back; what the step recomputed."""
+    def end(self) -> None:
+        """The session exits: give every module back."""
         _modules.unobserve(self)
-        done = tuple(path for path, _ in self.recomputed)
         for _, module in self.recomputed:
             unwrap_for_plan(module)
         self.recomputed = []
@@ -413,7 +412,6 @@ class _AutoState:
             self.cache_off.use_cache = True
             self.cache_off = None
         self.planned_for = False
-        return done
 
     def _plan(self, root: nn.Module) -> Plan | None:
         profile = self.ctx.profile
@@ -459,6 +457,7 @@ class _AutoState:
             module = profile.module(path)
             if module is not None and wrap_for_plan(module):
                 self.recomputed.append((path, module))
+        profile.recomputing(tuple(path for path, _ in self.recomputed))
 
     def _without_cache(self, root: nn.Module) -> None:
         """Run a Hugging Face model's training forward without its key-value cache.

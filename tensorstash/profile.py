@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from tensorstash import _modules
-from tensorstash._memory import PeakMeter
+from tensorstash._memory import CudaPeak, PeakRss, meter
 from tensorstash.recompute import in_plan_region, is_checkpointed
 
 STATE_VERSION = 2
@@ -405,6 +405,11 @@ class Profile:
         self._plans[key] = (self._revision, plan)
         return plan
 
+    def recomputing(self, paths: tuple[str, ...]) -> None:
+        """The plan recomputes ``paths`` in the step being measured (rule 4)."""
+        if self._step is not None:
+            self._step.recomputed = paths
+
     def exclude(self, seconds: float) -> None:
         """Leave ``seconds`` spent now (one-time set-up) out of the step's forward time."""
         if self._step is not None and seconds:
@@ -539,17 +544,16 @@ class _Step:
         self.packs = 0
         self._calls: list[_Call] = []
         self._timer: _CpuTimer | _CudaTimer = _CpuTimer(profile.clock)
-        self._meter: PeakMeter | None = None
+        self._meter: PeakRss | CudaPeak | None = None
         self._begun = self._timer.mark()
         self._forward_end: Any = None
         self._held = 0
         self._backward = False
-        self._backward_start: Any = None
         self._timings: list[tuple[str, Any, Any]] = []
         self.policy_s = 0.0
         self.excluded = 0.0
         if profile.measure_memory:
-            self._meter = PeakMeter(None)
+            self._meter = PeakRss()
             self._meter.start()
         _modules.observe(self)
 
@@ -559,7 +563,8 @@ class _Step:
             self._timer = _CudaTimer(device)
             self._begun = self._timer.mark()
             if self._meter is not None:
-                self._meter = PeakMeter(device)
+                self._meter.stop()
+                self._meter = meter(device, sync=False)
                 self._meter.start()
 
     # Module observer (rule 2) -----------------------------------------------------------
@@ -609,24 +614,37 @@ class _Step:
 
     # The session's calls -----------------------------------------------------------------
 
-    def end_forward(self, held_bytes: int, recomputed: tuple[str, ...]) -> None:
-        """The session exited: forward ended with ``held_bytes`` eligible bytes held."""
+    def end_forward(self) -> None:
+        """Forward ended: the session exited, or backward began inside it (its first unpack).
+
+        Whichever comes first; the eligible bytes the session holds then are
+        the step's held bytes.
+        """
+        if self._forward_end is not None:
+            return
         _modules.unobserve(self)
         self._forward_end = self._timer.mark()
-        self._held = held_bytes
-        self.recomputed = recomputed
-        if self.training is False or not self.profile.current:
+        tiers = self.ctx.stats.tiers
+        self._held = tiers["kept"].live_bytes + tiers["host"].live_bytes + self.ctx.stats.hot.live
+
+    def session_exited(self) -> None:
+        """The session exited (after its backward, or before it)."""
+        self.end_forward()
+        if not self._backward and (self.training is False or not self.profile.current):
             self.profile._finished(self, None)  # rule 3: not a step
 
     def backward_started(self) -> None:
         """The first unpack of the step: close the step when this backward ends."""
-        if self._backward or self._forward_end is None:
+        if self._backward:
             return
         self._backward = True
-        self._backward_start = self._timer.mark()
+        self.end_forward()
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
 
     def _backward_ended(self) -> None:
+        if self.training is False or not self.profile.current:
+            self.profile._finished(self, None)  # rule 3: not a step
+            return
         end = self._timer.mark()
         peak = self._meter.stop() if self._meter is not None else None
         stats = self.ctx.stats

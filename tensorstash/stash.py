@@ -576,12 +576,11 @@ class Session(contextlib.ContextDecorator):
         torch._C._autograd._pop_saved_tensors_default_hooks()
         self._pushed.pop()
         active.pop()
-        recomputed = self._planner.end() if self._planner is not None else ()
         self._stats.fold()
         if self._step is not None:
-            tiers = self._stats.tiers
-            held = tiers["kept"].live_bytes + tiers["host"].live_bytes
-            self._step.end_forward(held, recomputed)
+            self._step.session_exited()
+        if self._planner is not None:
+            self._planner.end()
         if not active:
             _modules.forget_stack()
         _modules.untrack()

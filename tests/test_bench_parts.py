@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tensorstash import bench
+from tensorstash._memory import PeakRss
 from tensorstash.bench import plot as _plot
 from tensorstash.bench.measure import StepResult
-from tensorstash.bench.memory import PeakRss
 from tensorstash.bench.rows import same_round_median, summarize
 
 MIB = 2**20

@@ -68,6 +68,16 @@ def test_profile_counts_a_step_once_its_backward_ends() -> None:
     assert record.held_bytes > 0 and record.moved == {}
 
 
+def test_profile_counts_a_step_whose_backward_runs_inside_the_session() -> None:
+    model, profile = net(), ts.Profile()
+    with ts.stash("keep", profile=profile) as session:
+        model(batch()).backward()
+        assert profile.steps == 1  # counted when backward ended, inside the session
+    record = profile.history[-1]
+    held = record.held_bytes  # what forward left held when backward began, not after it
+    assert held > 0 and session.stats.to_dict()["tiers"]["kept"]["peak_bytes"] >= held
+
+
 def test_profile_sites_are_module_op_and_occurrence() -> None:
     model, profile = net(), ts.Profile()
     step(model, batch(), profile)

@@ -6,7 +6,8 @@ The modules, each importing only those above it:
 - :mod:`~tensorstash.bench.workloads`: what the bench trains (that model, an HF
   GPT-2); :mod:`~tensorstash.bench.script`: a user's model (``--model-script``);
 - :mod:`~tensorstash.bench.variants`: the policies and peers the bench compares;
-- :mod:`~tensorstash.bench.memory`: NOTE [ Real memory ], the real peak of a step;
+- :mod:`~tensorstash._memory` (shared with the Profile): NOTE [ Real memory ], a step's
+  real peak;
 - :mod:`~tensorstash.bench.timeline`: memory over one step, for ``--plot``;
 - :mod:`~tensorstash.bench.measure`: one step's time, memory, gradients and plan;
 - :mod:`~tensorstash.bench.rows`: a variant's result, medians of same-round ratios;
@@ -17,8 +18,8 @@ The modules, each importing only those above it:
 - :mod:`~tensorstash.bench.plot`: the figure of ``--plot`` (matplotlib, imported lazily).
 """
 
+from tensorstash._memory import CudaPeak, PeakRss, return_free_memory
 from tensorstash.bench.measure import DTYPES, StepResult, StepRunner, resolve_device, resolve_dtype
-from tensorstash.bench.memory import CudaPeak, PeakRss, return_free_memory
 from tensorstash.bench.model import (
     CONFIGS,
     BenchGPT,

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 import tensorstash as ts
-from tensorstash.bench.memory import meter, return_free_memory
+from tensorstash._memory import meter, return_free_memory
 from tensorstash.bench.timeline import Timeline
 from tensorstash.bench.variants import BASELINE, variant_context
 from tensorstash.bench.workloads import Workload, checked_loss, to_device
