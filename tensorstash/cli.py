@@ -1,9 +1,10 @@
-"""The ``tensorstash`` command line: ``tensorstash bench`` and its options.
+"""The ``tensorstash`` command line: ``tensorstash bench`` and ``tensorstash plan``.
 
 Example:
     $ tensorstash bench --model small --policies none,lz4,auto:50% --steps 5 --json out.json
     $ tensorstash bench --sweep --model tiny --plot sweep.png
     $ tensorstash bench --plot bench.png --model-script my_model.py:make
+    $ tensorstash plan --model-script my_model.py:make --budget 50%
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tensorstash import bench
 from tensorstash.bench import plot as _plot
+from tensorstash.bench.planning import make_plan_run
 
 
 def _policy_list(text: str) -> list[str]:
@@ -169,8 +172,69 @@ def build_parser() -> argparse.ArgumentParser:
         "history and write DIR/<policy>.pickle, for https://pytorch.org/memory_viz",
     )
     run.add_argument("--seed", type=int, default=0, help="seeds weights, batch and dropout")
-    run.set_defaults(subparser=run)
+    run.set_defaults(subparser=run, handler=_bench)
+    _add_plan(commands)
     return parser
+
+
+def _add_plan(commands: Any) -> None:
+    plan = commands.add_parser(
+        "plan",
+        help="show Auto's plan for a model and a budget, and its predictions",
+        description=(
+            "Train a model a few steps under Auto with a Profile (the first step measures, "
+            "the next follow the plan) and print the plan of the last step: the modules it "
+            "recomputes, where call sites go, the predicted step time and real peak memory, "
+            "beside what that step measured."
+        ),
+    )
+    models = plan.add_mutually_exclusive_group()
+    models.add_argument("--model", choices=list(bench.MODELS), default="small")
+    models.add_argument(
+        "--model-script",
+        metavar="PATH.py:FUNCTION",
+        help="your model, as for tensorstash bench --model-script",
+    )
+    plan.add_argument(
+        "--budget",
+        required=True,
+        help="bytes or a size (8MiB, 2GiB), or a share of the activation bytes (50%%)",
+    )
+    plan.add_argument("--steps", type=_positive_int, default=3, help="steps to run (default 3)")
+    plan.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    plan.add_argument("--device", type=_device, choices=["cpu", "cuda"], default="cpu")
+    plan.add_argument("--dtype", choices=list(bench.DTYPES), default="float32")
+    plan.add_argument("--json", type=Path, metavar="PATH", help="also write the plan as JSON")
+    plan.add_argument("--seed", type=int, default=0)
+    plan.set_defaults(subparser=plan, handler=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        if args.model_script is None:
+            workload = bench.builtin_workload(args.model, args.seed)
+        else:
+            workload = bench.script_workload(args.model_script, args.seed)
+        run = make_plan_run(
+            workload,
+            args.budget,
+            steps=args.steps,
+            device=bench.resolve_device(args.device),
+            dtype=bench.resolve_dtype(args.dtype),
+            seed=args.seed,
+        )
+    except ValueError as error:
+        args.subparser.error(
+            str(error).removeprefix("tensorstash bench: ").removeprefix("tensorstash plan: ")
+        )
+    print(f"{workload.description}, {args.device} {args.dtype}")
+    print(run.report())
+    if args.json is not None:
+        args.json.write_text(json.dumps(run.to_dict(), indent=2) + "\n")
+        print(f"wrote the plan to {args.json}", file=sys.stderr)
+    return 0
 
 
 @contextmanager
@@ -330,7 +394,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "bench":
-        return _bench(args)
-    parser.error(f"unknown command {args.command!r}")  # argparse already rejects these
-    return 2
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    return handler(args)

@@ -568,3 +568,35 @@ def test_bench_model_script_and_model_are_exclusive(script: Path) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--model", "tiny", "--model-script", f"{script}:make"])
     assert exit_info.value.code == 2
+
+
+# -- tensorstash plan --------------------------------------------------------------------------
+
+
+def test_plan_command_prints_the_plan_and_writes_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], one_torch_thread: None
+) -> None:
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", "tiny", "--budget", "40%", "--steps", "3", "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "predicted step" in text and "measured, step 3" in text
+    data = json.loads(out.read_text())
+    assert data["grads_equal"] is True
+    assert data["recompute"] or data["tiers"]  # 40% of the activations: something saved
+    assert data["held_bytes"] <= data["budget_bytes"] < data["activation_bytes"]
+    assert data["predicted_step_s"] > 0 and len(data["step_s"]) == 3
+
+
+def test_plan_command_with_one_step_says_it_only_measured(
+    capsys: pytest.CaptureFixture[str], one_torch_thread: None
+) -> None:
+    assert main(["plan", "--model", "tiny", "--budget", "1MiB", "--steps", "1"]) == 0
+    assert "the first step measures" in capsys.readouterr().out
+
+
+def test_plan_command_rejects_a_budget_that_is_not_one(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--model", "tiny", "--budget", "lots"])
+    assert exited.value.code == 2
+    assert "budget" in capsys.readouterr().err

@@ -105,6 +105,7 @@ class StepRunner:
         self.reference: list[Tensor | None] = []
         self.profiles: dict[str, ts.Profile] = {}
         self.activation_bytes: int | None = None
+        self.session: Any = None  # the stash session of the last step (None without one)
 
     def step(self, name: str, *, timeline: bool = False) -> StepResult:
         """Run one forward and backward under variant ``name`` and measure it.
@@ -141,6 +142,7 @@ class StepRunner:
             del loss
             if trace is not None:
                 trace.sample()
+        self.session = session
         return StepResult(
             seconds,
             self._grads_equal(),
