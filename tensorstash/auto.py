@@ -340,7 +340,7 @@ class _AutoState:
 
     def __init__(self, auto: Auto, ctx: Context) -> None:
         self.auto = auto
-        self.ctx = ctx
+        self.profile = ctx.profile  # the context holds this state: no reference back to it
         tiers = ctx.stats.tiers
         self.kept, self.host = tiers["kept"], tiers["host"]
         self.hot = ctx.stats.hot  # kept bytes the session counts without a lock
@@ -371,7 +371,7 @@ class _AutoState:
         Called before the profile starts timing the step: checkpointing's
         one-time set-up (``warm_up``) happens here, outside the step.
         """
-        profile = self.ctx.profile
+        profile = self.profile
         self.learning_now = profile is not None and profile.learning
         if profile is not None and torch.is_grad_enabled():
             if self.auto.recompute and profile.steps:
@@ -384,7 +384,7 @@ class _AutoState:
         if self.planned_for or not module.training:
             return
         self.planned_for = True
-        profile = self.ctx.profile
+        profile = self.profile
         profile.saw_root(module)
         if self.auto.recompute:
             self._without_cache(module)
@@ -414,7 +414,7 @@ class _AutoState:
         self.planned_for = False
 
     def _plan(self, root: nn.Module) -> Plan | None:
-        profile = self.ctx.profile
+        profile = self.profile
         auto = self.auto
         device = "cuda" if self.device_type == "cuda" else "cpu"
         key = (self.budget, device, auto.recompute, auto.never_recompute, auto.always_recompute)
@@ -452,7 +452,7 @@ class _AutoState:
         return Rates(disk=disk / CPU_CONTENTION, compress=lz4 / CPU_CONTENTION)
 
     def _recompute(self, paths: tuple[str, ...]) -> None:
-        profile = self.ctx.profile
+        profile = self.profile
         for path in paths:
             module = profile.module(path)
             if module is not None and wrap_for_plan(module):
@@ -511,7 +511,7 @@ class _AutoState:
             return None
         tier = plan.tier(site)
         if tier == "keep":
-            if site not in self.ctx.profile.last:
+            if site not in self.profile.last:
                 return None  # a site the plan has not seen: the other rules
             if held <= self.budget:
                 return self.keep, _PLANNED_KEEP
@@ -534,7 +534,7 @@ class _AutoState:
 
     def learning(self, tensor: Tensor) -> Choice | None:
         """Rule 3: a CPU tensor in a profile's first step stays (see the class docstring)."""
-        profile = self.ctx.profile
+        profile = self.profile
         if profile is not None and tensor.is_cpu and profile.learning:
             return self.keep, _LEARNING
         return None

@@ -513,7 +513,6 @@ class Session(contextlib.ContextDecorator):
         self._pushed: list[bool] = []  # per open: whether this enter pushed hooks (rule 8)
         self._step: Any = None  # the profile's step being measured
         self._planner: Any = None  # the selector's per-step planning (Auto's state)
-        self._unpack_hook = self.unpack
 
     def __repr__(self) -> str:
         return f"tensorstash.stash({self.policy!r}, min_bytes={self.min_bytes})"
@@ -551,7 +550,6 @@ class Session(contextlib.ContextDecorator):
             self.policy, "choose", None
         )
         self._step = self.profile.begin(self._ctx, self.min_bytes) if self.profile else None
-        self._unpack_hook = self.unpack if self._step is None else self._unpack_first
         torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self._unpack_hook)
         return self
 
@@ -675,6 +673,15 @@ class Session(contextlib.ContextDecorator):
                 return _dtensor.rebuild(self.unpack(saved.local), saved.spec)
             raise bug(f"unpack received {type(saved).__name__}")
         return self._unpack(saved)
+
+    @property
+    def _unpack_hook(self) -> Any:
+        """The unpack hook to push: with a profile's step, one that tells it backward began.
+
+        Made when pushed, not kept: a bound method kept on the session would be
+        a reference cycle, left for the garbage collector at every step.
+        """
+        return self.unpack if self._step is None else self._unpack_first
 
     def _unpack_first(self, saved: Any) -> Tensor:
         """The unpack hook of a session with a profile: backward's start ends its step's forward."""
