@@ -193,3 +193,22 @@ def test_stats_table_and_dict_name_every_tier() -> None:
     del y
     gc.collect()
     assert session.stats.live_bytes == 0
+
+
+@pytest.mark.parametrize("policy", ["keep", "auto", "lz4"])
+def test_session_is_freed_without_the_garbage_collector(policy: str) -> None:
+    import gc
+    import weakref
+
+    x = torch.randn(256, 256, requires_grad=True)
+    gc.disable()
+    try:
+        session = ts.stash(policy, min_bytes=0, profile=ts.Profile())
+        with session:
+            y = (x * 2).sin()
+        y.sum().backward()
+        freed = weakref.ref(session)
+        del session, y
+        assert freed() is None, "a reference cycle keeps the session until gc runs"
+    finally:
+        gc.enable()
