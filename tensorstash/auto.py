@@ -417,8 +417,8 @@ class _AutoState:
         profile = self.profile
         auto = self.auto
         device = "cuda" if self.device_type == "cuda" else "cpu"
-        key = (self.budget, device, auto.recompute, auto.never_recompute, auto.always_recompute)
-        plan = profile.plan_for(key, lambda: make_plan(
+        key = (device, auto.recompute, auto.never_recompute, auto.always_recompute)
+        plan = profile.plan_for(key, self.budget, lambda: make_plan(
             profile,
             self.budget,
             device=device,

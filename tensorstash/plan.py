@@ -110,6 +110,10 @@ class Plan:
         """Where ``site``'s tensors go ("keep" unless the plan moves them)."""
         return self.tiers.get(site, "keep")
 
+    def keeps_all(self, budget: int) -> bool:
+        """Whether this plan keeps every site and ``budget`` holds them (it serves that budget)."""
+        return not self.choices and self.activation_bytes <= budget
+
     @property
     def fits(self) -> bool:
         """Whether the budget can be held (rule 5)."""
@@ -186,7 +190,8 @@ class _Solver:
         self.device = device
         self.rates = rates
         self.sites: dict[Site, SiteRecord] = dict(profile.last)
-        self.modules: dict[str, ModuleRecord] = _pooled(profile.modules, self.sites)
+        self._inside = _index(profile.modules, self.sites)
+        self.modules: dict[str, ModuleRecord] = _pooled(profile.modules, self._inside, self.sites)
         self.root = profile._root_name
         self.activation = sum(record.nbytes for record in self.sites.values())
         self.held = self.activation
@@ -198,7 +203,7 @@ class _Solver:
     # What a module holds --------------------------------------------------------------
 
     def inside(self, path: str) -> list[Site]:
-        return [site for site in self.sites if _under(site[0], path)]
+        return self._inside.get(path, [])
 
     def recompute_saving(self, path: str) -> tuple[int, float]:
         """Bytes and seconds that recomputing ``path`` adds to the choices taken so far."""
@@ -322,7 +327,8 @@ class _Solver:
             key=lambda c: c.cost_s / max(c.saved_bytes, 1),
         )
         held = max(self.held, 0)
-        reachable = self._reachable()
+        largest = max((record.nbytes for record in self.sites.values()), default=0)
+        reachable = largest if held <= self.budget else self._reachable()
         base = self.base_s
         predicted = base + sum(choice.cost_s for choice in choices)
         peak = None
@@ -380,7 +386,8 @@ class _Solver:
 
     def _reachable(self) -> int:
         """The fewest bytes held (rule 5): every saving taken (the same greedy, budget 0),
-        and never less than the largest tensor, which a session holds while it packs it."""
+        and never less than the largest tensor, which a session holds while it packs it.
+        Asked only of a plan that does not fit: for one that fits, the largest tensor."""
         other = _Solver(self.profile, 0, self.device, self.rates)
         other.take_cheapest(True, lambda path: False)
         largest = max((record.nbytes for record in self.sites.values()), default=0)
@@ -410,8 +417,24 @@ class _Solver:
         return peak
 
 
-def _pooled(
+def _index(
     modules: dict[str, ModuleRecord], sites: dict[Site, SiteRecord]
+) -> dict[str, list[Site]]:
+    """The sites saved inside each module (itself and the modules in it), by their paths."""
+    inside: dict[str, list[Site]] = {path: [] for path in modules}
+    for site in sites:
+        parts = site[0].split(".")
+        for end in range(1, len(parts) + 1):
+            found = inside.get(".".join(parts[:end]))
+            if found is not None:
+                found.append(site)
+    return inside
+
+
+def _pooled(
+    modules: dict[str, ModuleRecord],
+    inside: dict[str, list[Site]],
+    sites: dict[Site, SiteRecord],
 ) -> dict[str, ModuleRecord]:
     """Modules with the forward time of their twins pooled (rule 3).
 
@@ -419,14 +442,10 @@ def _pooled(
     (the blocks of a transformer) cost the same: each gets their median time,
     so timing noise does not pick one block over another.
     """
-    inside: dict[str, int] = {path: 0 for path in modules}
-    for site, saved in sites.items():
-        for path in modules:
-            if _under(site[0], path):
-                inside[path] += saved.nbytes
     twins: dict[tuple[Any, ...], list[str]] = {}
     for path, module in modules.items():
-        key = (module.kind, module.calls, module.input_bytes, inside[path])
+        saved = sum(sites[site].nbytes for site in inside[path])
+        key = (module.kind, module.calls, module.input_bytes, saved)
         twins.setdefault(key, []).append(path)
     pooled = dict(modules)
     for paths in twins.values():

@@ -201,7 +201,7 @@ class Profile:
     _root_name: str | None = None
     _remeasure: bool = False
     _revision: int = 0
-    _plans: dict[Any, tuple[int, Any]] = field(default_factory=dict)
+    _plans: dict[Any, tuple[int, int, Any]] = field(default_factory=dict)
     _warned: set[int] = field(default_factory=set)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -395,14 +395,20 @@ class Profile:
 
     # -- for the plan ----------------------------------------------------------------
 
-    def plan_for(self, key: Any, make: Callable[[], Any]) -> Any:
-        """The plan for ``key`` (a budget and options), made again only once the
-        measurements changed: after a step that timed modules or saw other sizes (rule 5)."""
+    def plan_for(self, key: Any, budget: int, make: Callable[[], Any]) -> Any:
+        """The plan for ``budget`` and options ``key``, made again only once the
+        measurements changed: after a step that timed modules or saw other sizes (rule 5).
+
+        A plan that keeps everything serves every budget its bytes fit (Auto's
+        default budget, half of the free memory, moves a little every step).
+        """
         found = self._plans.get(key)
         if found is not None and found[0] == self._revision:
-            return found[1]
+            _, made_for, plan = found
+            if made_for == budget or (plan is not None and plan.keeps_all(budget)):
+                return plan
         plan = make()
-        self._plans[key] = (self._revision, plan)
+        self._plans[key] = (self._revision, budget, plan)
         return plan
 
     def recomputing(self, paths: tuple[str, ...]) -> None:
