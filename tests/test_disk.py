@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import gc
 import os
 import stat
@@ -111,10 +110,10 @@ def test_disk_spill_names_a_deleted_file_at_unpack(tmp_path: Path) -> None:
 def test_disk_spill_full_disk_keeps_the_tensor_in_memory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def full(*args: object) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def full(name: str) -> int:  # writes fail with ENOSPC, as on a full disk
+        return os.open("/dev/full", os.O_WRONLY | os.O_CLOEXEC)
 
-    monkeypatch.setattr(disk, "_write_file", full)
+    monkeypatch.setattr(disk.spill_directory(tmp_path), "create", full)
     x = torch.randn(256, 256, requires_grad=True)
     with pytest.warns(RuntimeWarning, match="disk .* is full"):
         with ts.stash(ts.DiskSpill(tmp_path), min_bytes=0) as session:
@@ -175,7 +174,7 @@ if __name__ == "__main__":
             spill_and_backward()
             del y
             gc.collect()
-            disk._remove_directories()  # what its exit runs
+            disk.remove_directories()  # what its exit runs
             code = 0
         finally:
             os._exit(code)
@@ -185,7 +184,7 @@ if __name__ == "__main__":
     y.sum().backward()  # the parent's files are all there
     del x, y
     gc.collect()
-    disk._remove_directories()
+    disk.remove_directories()
     for start in ("fork", "spawn"):  # children that end with os._exit
         child = multiprocessing.get_context(start).Process(target=spill_and_backward)
         child.start()
