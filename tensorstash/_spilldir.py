@@ -268,7 +268,7 @@ def spill_directory(parent: Path) -> SpillDirectory:
 
 @atexit.register
 def remove_directories() -> None:
-    """Remove every spill directory this process made (at exit, rule 8)."""
+    """Remove every spill directory this process made (at exit, rule 7)."""
     with _directories_lock:
         for directory in set(_directories.values()):
             directory.close()

@@ -18,9 +18,9 @@
    protocol (rule 2 of NOTE [ Tiers ] in policy.py), whatever stage made
    them, and writes them with one ``writev`` per value: one copy, into the
    page cache. The checksum is xxh3-64, at memory speed and without the GIL.
-   A read goes straight into the buffer handed back (allocated on the thread
-   that asks, where the memory that thread freed is reused), after an
-   ``fstat`` that checks the size; the checksum is checked after. A missing,
+   A read goes straight into the buffer handed back, the stash's own (NOTE
+   [ Read buffers ] in _buffers.py), after an ``fstat`` that checks the
+   size; the checksum is checked after. A missing,
    truncated, grown or corrupted file raises :class:`SpillError` naming the
    tensor. Nothing is ever unpickled.
 5. A full disk (ENOSPC, EDQUOT), or a session past ``max_disk_bytes``, keeps
@@ -31,7 +31,11 @@
    freed, also while the writer or a read-ahead is at work on it (unlink works
    on an open file). Work in flight holds the file and the bytes, never the
    packed value, so a freed graph leaves no file once ``gc.collect()`` returns.
-7. The private directory is removed at exit (atexit, or multiprocessing's exit
+7. Bytes a spill frees must leave the process: once the resident set grew by
+   ``trim_every`` bytes, the writer hands the allocator's free memory back to
+   the OS (NOTE [ Returning memory ] in _trim.py). Read buffers are the
+   stash's own and go back to the pool, or the OS, when their tensor dies.
+8. The private directory is removed at exit (atexit, or multiprocessing's exit
    for its children); directories left by dead processes of the same user are
    removed when a new one is made. A forked child makes its own directory and
    never removes its parent's files or directory.
@@ -50,10 +54,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import torch
 import xxhash
 from torch import Tensor
 
+from tensorstash._buffers import POOL
 from tensorstash._layout import Layout, memory
 from tensorstash._reasons import Reason, Why, reason
 from tensorstash._spilldir import (
@@ -66,6 +70,7 @@ from tensorstash._spilldir import (
     spill_directory,
     warn_if_ram_backed,
 )
+from tensorstash._trim import Trimmer
 from tensorstash.policy import (
     Context,
     Held,
@@ -293,6 +298,10 @@ class DiskSpill:
         max_disk_bytes: the most bytes a session's files may hold on disk; past
             it, tensors stay in memory (``stats.fallbacks["disk cap"]``).
             None: no cap.
+        trim_every: once the process's resident set grew by this many bytes,
+            hand the memory the allocator keeps free back to the OS (glibc's
+            ``malloc_trim``, from a background thread; NOTE [ Returning
+            memory ] in _trim.py). None: never.
 
     Raises:
         ValueError: the directory is missing, unwritable, world-writable
@@ -311,6 +320,7 @@ class DiskSpill:
     directory: str | os.PathLike[str] | None = None
     max_pending_bytes: int = 32 << 20
     max_disk_bytes: int | None = None
+    trim_every: int | None = 16 << 20
 
     stage_rank: ClassVar[int] = 2
 
@@ -318,6 +328,7 @@ class DiskSpill:
         check_directory(self.directory, "tensorstash.DiskSpill")
         _check_size("max_pending_bytes", self.max_pending_bytes, optional=False)
         _check_size("max_disk_bytes", self.max_disk_bytes, optional=True)
+        _check_size("trim_every", self.trim_every, optional=True)
         parent = self._parent()
         probe(parent)
         warn_if_ram_backed(parent, stacklevel=4)
@@ -335,11 +346,17 @@ class DiskSpill:
         packed = Spilled(
             "host", item.nbytes, item.stored_bytes, layout=layout, holds=holds, file=file
         )
-        job = _Job(file, item, weakref.ref(packed), ctx, self.max_disk_bytes, kept_tier)
+        job = _Job(
+            file, item, weakref.ref(packed), ctx, self.max_disk_bytes, kept_tier, self._trimmer(ctx)
+        )
         packed.written = ctx.writer().submit(without_frames, job.run)
         pending.add(packed.written, item.stored_bytes)
         finalize(packed, file.release)
         return packed
+
+    def _trimmer(self, ctx: Context) -> Trimmer:
+        trimmer: Trimmer = ctx.resource("disk-trim", lambda: Trimmer(self.trim_every))
+        return trimmer
 
     def unpack(self, packed: Packed, ctx: Context) -> Tensor | Packed:
         if not isinstance(packed, Spilled) or packed.written is None or packed.file is None:
@@ -363,16 +380,10 @@ class DiskSpill:
         if not isinstance(packed, Spilled) or packed.prefetched is not None:
             return
         written, file = packed.written, packed.file
-        if written is None or file is None:
-            return
-        # Allocated here, on the thread that will use it (rule 4), once the size is known.
-        # A failed write raises at unpack, not here.
-        out = None
-        if written.done() and written.exception() is None:
-            out = _buffer_for(written.result())
-        packed.prefetched = ctx.pool().submit(
-            without_frames, _read_ahead, file, written, packed.layout, out
-        )
+        if written is not None and file is not None:
+            packed.prefetched = ctx.pool().submit(
+                without_frames, _read_ahead, file, written, packed.layout, self._trimmer(ctx)
+            )
 
 
 def _check_size(name: str, value: object, *, optional: bool) -> None:
@@ -428,11 +439,19 @@ class _Job:
     ctx: Context
     cap: int | None
     kept_tier: Tier
+    trimmer: Trimmer
 
     def run(self) -> _Written | None:
         item, self.item = self.item, None  # the bytes leave with this frame
         if self.file.released:
             return None  # freed before it was written: no file (rule 6)
+        written = self._store(item)
+        del item  # the bytes written are free once forward lets go of them too
+        if written is not None and written.kept is None:
+            self.trimmer.moved()  # rule 7
+        return written
+
+    def _store(self, item: Any) -> _Written | None:
         shell, views = item.spill_buffers(self.ctx)
         sizes = tuple(view.nbytes for view in views)
         try:
@@ -488,28 +507,21 @@ def _outcome(item: Any, size: int) -> Reason:
 # -- reading back (rule 4) ----------------------------------------------------------------
 
 
-def _buffer_for(written: _Written | None) -> Tensor | None:
-    if written is None or written.kept is not None:
-        return None
-    return torch.empty(written.size, dtype=torch.uint8)
-
-
 def _read_ahead(
-    file: _File, written: Future[_Written | None], layout: Layout | None, out: Tensor | None
+    file: _File, written: Future[_Written | None], layout: Layout | None, trimmer: Trimmer
 ) -> Tensor | None:
     """A read-ahead's job: the file's bytes, or None when there is nothing to read."""
     done = written.result()
     if done is None or done.kept is not None or file.released:
         return None
-    return _read(file, done, layout, out)
+    data = _read(file, done, layout)
+    trimmer.moved()  # rule 7
+    return data
 
 
-def _read(
-    file: _File, written: _Written, layout: Layout | None, out: Tensor | None = None
-) -> Tensor:
-    """Read a spill file whole into ``out`` (or a new buffer), checking size and checksum."""
+def _read(file: _File, written: _Written, layout: Layout | None) -> Tensor:
+    """Read a spill file whole into a buffer of the stash's own, checking size and checksum."""
     size = written.size
-    data = out if out is not None else torch.empty(size, dtype=torch.uint8)
     try:
         fd = file.open()
     except OSError as error:
@@ -518,6 +530,7 @@ def _read(
             f"{error.strerror}. {_RERUN}"
         ) from None
     try:
+        data = POOL.take(size)  # rule 4: the tensor handed back (NOTE [ Read buffers ])
         got = _read_into(fd, memory(data), size)
     finally:
         os.close(fd)
