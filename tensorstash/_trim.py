@@ -8,23 +8,25 @@
    a step walks over the whole free heap: on an HF GPT-2 config (4 layers,
    d=256, batch 4x128) a disk spill of every activation lowered peak RSS
    growth only from 105 to 85-98 MiB.
-2. So the stash returns it, when it must: after each file is written, the
-   writer reads the process's resident set, and once it has grown by
-   ``trim_every`` bytes since the last call (or since the session began) it
-   calls glibc's ``malloc_trim(0)``, which gives the free pages of every
-   arena back to the kernel. A step that reuses memory already resident (a
-   training loop in its steady state, a spill whose next step reuses the
-   block the write freed) grows nothing and never calls it; a step that
-   walks over free memory is held to ``trim_every`` above what it uses. The
-   training thread never calls it. Reads need none: they go to the stash's
-   own buffers (NOTE [ Read buffers ] in _buffers.py), since reads into heap
-   blocks just handed back fault them in again, and trimming after reads
-   made backward fault 150 MiB per step on the GPT-2 config.
-3. The cost: each call walks the free lists (about a millisecond), and pages
-   returned are faulted in again when the heap reuses them (about 1 GB/s on
-   these machines): the price of memory that really left, paid only while
-   the resident set grows. Reading the resident set (``/proc/self/statm``)
-   costs a few microseconds per value.
+2. So the stash returns it, when it must: after each file written (on the
+   writer) and each read ahead (on a worker), it reads the process's
+   resident set, and once that has grown by ``trim_every`` bytes since the
+   last call (or since the session began) it calls glibc's ``malloc_trim(0)``,
+   which gives the free pages of every arena back to the kernel. A step that
+   reuses memory already resident grows nothing and never calls it; a step
+   that walks over free memory (glibc places a new block on free pages
+   whether resident or not) is held to about ``trim_every`` above what it
+   uses. The training thread never calls it. Read buffers are not from the
+   heap (NOTE [ Read buffers ] in _buffers.py), or every call would hand back
+   the blocks the next reads land on.
+3. The cost: each call walks the free lists (1-3 ms here), and pages returned
+   are faulted in again when the heap reuses them (about 1 GB/s on these
+   machines): the price of memory that really left. On the GPT-2 config of
+   rule 1 (quiet 2-core machine, benchmarks/disk_spill.py) trim_every=16 MiB
+   held peak RSS growth to 35 MiB against none's 105 MiB, with 8-10 calls and
+   about 100 MiB more page faults per step than trim_every=None, whose peak
+   growth was 76-87 MiB; the step cost 1.9x against 1.6x. Reading the
+   resident set (``/proc/self/statm``) costs a few microseconds per value.
 4. The other way, ``MALLOC_MMAP_THRESHOLD_`` (or ``mallopt``), makes every large
    allocation a fresh mapping returned at free: it changes the whole process
    for good (glibc stops adjusting the threshold) and makes every large

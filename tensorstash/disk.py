@@ -32,8 +32,8 @@
    on an open file). Work in flight holds the file and the bytes, never the
    packed value, so a freed graph leaves no file once ``gc.collect()`` returns.
 7. Bytes a spill frees must leave the process: once the resident set grew by
-   ``trim_every`` bytes, the writer hands the allocator's free memory back to
-   the OS (NOTE [ Returning memory ] in _trim.py). Read buffers are the
+   ``trim_every`` bytes, the writer or a read-ahead hands the allocator's free
+   memory back to the OS (NOTE [ Returning memory ] in _trim.py). Read buffers are the
    stash's own and go back to the pool, or the OS, when their tensor dies.
 8. The private directory is removed at exit (atexit, or multiprocessing's exit
    for its children); directories left by dead processes of the same user are
