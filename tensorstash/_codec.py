@@ -37,6 +37,12 @@ _layout.py). :func:`encode` turns it into an :class:`Encoded` value and
    views a uint8 tensor as wider integers when its storage offset is a
    multiple of the width, so a misaligned payload or output goes through an
    aligned copy.
+6. Buffers. An encoded value is plain byte buffers and a few numbers:
+   :meth:`Encoded.buffers` lists the buffers in order, :meth:`Encoded.hollow`
+   keeps only the numbers, and ``hollow.with_buffers(pieces)`` puts copies of
+   the buffers back (a later stage writes them to disk and reads them back,
+   rule 2 of NOTE [ Tiers ] in policy.py). :class:`Lz4Codec` is this module
+   behind the :class:`Codec` protocol (rule 1 of NOTE [ Tiers ]).
 """
 
 from __future__ import annotations
@@ -47,20 +53,20 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import lz4.block
 import torch
 from torch import Tensor
 
-__all__ = ["METHODS", "Encoded", "Stream", "choose", "decode", "encode"]
+__all__ = ["METHODS", "Codec", "Encoded", "Lz4Codec", "Stream", "choose", "decode", "encode"]
 
 METHODS: tuple[str, ...] = ("raw", "lz4", "shuffle", "bits", "zeros")
 
 T = TypeVar("T")
-Buffer = bytes | bytearray
+Buffer = bytes | bytearray | memoryview
 
 # Integer dtypes by width in bytes: how elements are read as bit patterns.
 _WORDS: dict[int, torch.dtype] = {
@@ -146,11 +152,62 @@ class Encoded:
     method: str
     nbytes: int
     parts: tuple[Stream | Tensor, ...]
+    owner: tuple[Tensor, ...] = ()
 
     @property
     def stored_bytes(self) -> int:
         """Bytes held in memory for the payload (at most ``nbytes``)."""
         return sum(_held(part) for part in self.parts)
+
+    def buffers(self) -> list[memoryview]:
+        """The bytes this value holds, as buffers in order (rule 6), valid while it lives.
+
+        A stream's tail (less than one element) is not among them: the hollow value keeps it.
+        """
+        views: list[memoryview] = []
+        for part in self.parts:
+            if isinstance(part, Stream):
+                views.extend(memoryview(block).cast("B") for block in part.blocks)
+            else:
+                views.append(_view(part) if part.numel() else memoryview(b""))
+        return views
+
+    def hollow(self) -> Encoded:
+        """This value without its bytes: what :meth:`with_buffers` fills back (rule 6)."""
+        parts = tuple(
+            replace(part, blocks=())
+            if isinstance(part, Stream)
+            else torch.empty(0, dtype=torch.uint8)
+            for part in self.parts
+        )
+        return Encoded(self.method, self.nbytes, parts)
+
+    def with_buffers(self, pieces: list[Tensor]) -> Encoded:
+        """A hollow value filled with ``pieces``: 1-D uint8 CPU tensors holding the bytes
+        of :meth:`buffers`, in order. The result keeps views of them (rule 6).
+
+        Raises:
+            ValueError: the pieces do not fit this value's shape.
+        """
+        parts: list[Stream | Tensor] = []
+        rest = list(pieces)
+        for part in self.parts:
+            if not isinstance(part, Stream):
+                if not rest:
+                    break
+                parts.append(rest.pop(0))
+                continue
+            count = len(part.sizes)
+            taken, rest = rest[:count], rest[count:]
+            if len(taken) != count:
+                break
+            parts.append(replace(part, blocks=tuple(_view(piece) for piece in taken)))
+        if rest or len(parts) != len(self.parts):
+            raise ValueError(
+                f"tensorstash._codec: {len(pieces)} buffers do not fit an encoded value of "
+                f"{len(self.parts)} parts; the bytes read back are not the ones written"
+            )
+        return Encoded(self.method, self.nbytes, tuple(parts), owner=tuple(pieces))
 
 
 def _held(part: Stream | Tensor) -> int:
@@ -281,6 +338,43 @@ def decode(encoded: Encoded, out: Tensor, *, pool: Executor | None = None) -> No
         _decode_stream(part, encoded.method, target, pool)
         if target is not out:
             out.copy_(target)
+
+
+class Codec(Protocol):
+    """A lossless encoding of a tensor's host bytes (rule 1 of NOTE [ Tiers ] in policy.py).
+
+    ``choose`` picks a method for a payload (the compression stage calls it
+    once per kind of tensor), ``encode`` turns the payload into an
+    :class:`Encoded` value (its method "raw" when nothing paid), and
+    ``decode`` writes the bytes back. ``pool`` runs pieces of work in
+    parallel; None runs them on the caller's thread.
+    """
+
+    def choose(self, payload: Tensor, dtype: torch.dtype) -> str: ...
+
+    def encode(
+        self, payload: Tensor, dtype: torch.dtype, method: str, pool: Executor | None
+    ) -> Encoded: ...
+
+    def decode(self, encoded: Encoded, out: Tensor, pool: Executor | None) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Lz4Codec:
+    """This module's encodings as a :class:`Codec`; ``acceleration`` is lz4's."""
+
+    acceleration: int = 1
+
+    def choose(self, payload: Tensor, dtype: torch.dtype) -> str:
+        return choose(payload, dtype)
+
+    def encode(
+        self, payload: Tensor, dtype: torch.dtype, method: str, pool: Executor | None
+    ) -> Encoded:
+        return encode(payload, dtype, method, acceleration=self.acceleration, pool=pool)
+
+    def decode(self, encoded: Encoded, out: Tensor, pool: Executor | None) -> None:
+        decode(encoded, out, pool=pool)
 
 
 @contextlib.contextmanager

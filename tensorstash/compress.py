@@ -1,7 +1,11 @@
 """Lz4: lossless compression of saved tensors' bytes in host memory, on worker threads.
 
 # NOTE [ Compression ]
-1. A sampled trial (``_codec.choose``) picks the encoding that pays:
+The stage runs any :class:`~tensorstash._codec.Codec` (rule 1 of NOTE
+[ Tiers ] in policy.py) through :func:`pack_with` and :func:`unpack_with`;
+:class:`Lz4` is the stage with ``_codec``'s lz4 encodings.
+
+1. A sampled trial (``codec.choose``) picks the encoding that pays:
    bit-packed bools, a zero bitmap for mostly-zero data (ReLU outputs, dropout
    masks), byte-shuffled floats, plain lz4, or nothing ("raw"). The trial runs
    once per kind of tensor in a session: the tensors that the same operation
@@ -77,6 +81,31 @@ class Compressed(Packed):
             return result
         return self.future.result()
 
+    def spill_buffers(self, ctx: Context) -> tuple[Compressed, list[memoryview]]:
+        """The compressed bytes as buffers, and a shell without them (NOTE [ Tiers ] rule 2)."""
+        encoded = self.encoded(ctx)
+        shell = Compressed(
+            self.tier, self.nbytes, self.stored_bytes, self.layout, self.kind,
+            future=_resolved(encoded.hollow()),
+        )  # fmt: skip
+        return shell, encoded.buffers()
+
+    def from_buffers(self, pieces: list[Tensor]) -> Compressed:
+        """This shell with its compressed bytes back, as views of ``pieces``."""
+        if self.future is None or not self.future.done():
+            raise bug("Compressed shell without its hollow encoding")
+        encoded = self.future.result().with_buffers(pieces)
+        return Compressed(
+            "host", self.nbytes, self.stored_bytes, self.layout, self.kind,
+            future=_resolved(encoded),
+        )  # fmt: skip
+
+
+def _resolved(encoded: _codec.Encoded) -> Future[_codec.Encoded]:
+    future: Future[_codec.Encoded] = Future()
+    future.set_result(encoded)
+    return future
+
 
 Kind = tuple[Any, ...]
 """What the trial's result is shared by (rule 1): operation, dtype, shape, stride."""
@@ -91,7 +120,7 @@ def _kind(value: Tensor | Packed, layout: Layout) -> Kind:
 def _compress(
     payload: Tensor | HostBytes,
     dtype: torch.dtype,
-    acceleration: int,
+    codec: _codec.Codec,
     methods: dict[Kind, str],
     kind: Kind,
     pool: Executor,
@@ -101,9 +130,9 @@ def _compress(
         payload = payload.ready()
     method = methods.get(kind)
     if method is None:
-        method = methods[kind] = _codec.choose(payload, dtype)
+        method = methods[kind] = codec.choose(payload, dtype)
     if method != "raw":
-        encoded = _codec.encode(payload, dtype, method, acceleration=acceleration, pool=pool)
+        encoded = codec.encode(payload, dtype, method, pool)
         if encoded.method != "raw":
             return encoded
     # Rule 2: no copy, also when a method reused for this kind did not pay;
@@ -169,60 +198,82 @@ class Lz4:
                 f"got {self.acceleration}"
             )
 
+    @property
+    def codec(self) -> _codec.Lz4Codec:
+        """The codec this stage runs (rule 1 of NOTE [ Tiers ] in policy.py)."""
+        return _codec.Lz4Codec(self.acceleration)
+
     def pack(self, value: Tensor | Packed, ctx: Context) -> Packed:
-        # Host bytes still being copied from the device (CpuOffload before this
-        # stage) are waited for by the worker, not here: rule 3.
-        host, kind = to_host(value, wait=False)
-        layout, payload = host.layout, host if kind == "host" else host.ready()
-        if layout is None:
-            raise bug("HostBytes without a layout")
-        pending: Pending = ctx.resource("lz4-pending", Pending)
-        pending.wait_under(self.max_pending_bytes, ctx)
-        profile = ctx.profile
-        methods: dict[Kind, str] = (
-            profile.codec_methods if profile is not None else ctx.resource("lz4-methods", dict)
-        )
-        pool = ctx.pool()
-        future = pool.submit(
-            _compress, payload, layout.dtype, self.acceleration, methods, _kind(value, layout), pool
-        )
-        # Rule 2: bytes left raw stay where they were: in the tensor's own
-        # storage for a CPU tensor, in host memory for anything copied there.
-        raw_tier: Tier = "kept" if device_of(value).type == "cpu" and kind != "host" else "host"
-        packed = Compressed(
-            "host", host.nbytes, layout.nbytes, layout, kind, future=future, source=payload
-        )
-        pending.add(future, layout.nbytes)
-        ref = weakref.ref(packed)
-        future.add_done_callback(lambda done: _finished(ref, ctx, done, raw_tier))
-        return packed
+        return pack_with(self.codec, value, ctx, self.max_pending_bytes)
 
     def unpack(self, packed: Packed, ctx: Context) -> Tensor | Packed:
-        if not isinstance(packed, Compressed):
-            raise bug(f"Lz4 cannot unpack {type(packed).__name__}")
-        restored = packed.restored
-        packed.restored = None
-        if restored is not None:
-            start = time.perf_counter()
-            payload = restored.result()
-            ctx.stats.timed("wait", time.perf_counter() - start)
-        else:
-            payload = _decode(packed.encoded(ctx), pool=ctx.pool())
-        layout = packed.layout
-        if layout is None:
-            raise bug("Compressed without a layout")
-        return from_host(layout, payload, packed.kind)
+        return unpack_with(self.codec, packed, ctx)
 
     def prefetch(self, packed: Packed, ctx: Context) -> None:
-        if isinstance(packed, Compressed) and packed.restored is None and packed.future:
-            future = packed.future
-            packed.restored = ctx.pool().submit(lambda: _decode(future.result(), pool=None))
+        prefetch_with(self.codec, packed, ctx)
 
 
-def _decode(encoded: _codec.Encoded, pool: Any) -> Tensor:
+def pack_with(
+    codec: _codec.Codec, value: Tensor | Packed, ctx: Context, max_pending_bytes: int
+) -> Compressed:
+    """A compression stage's pack with ``codec`` (rules 1 to 4)."""
+    # Host bytes still being copied from the device (CpuOffload before this
+    # stage) are waited for by the worker, not here: rule 3.
+    host, kind = to_host(value, wait=False)
+    layout, payload = host.layout, host if kind == "host" else host.ready()
+    if layout is None:
+        raise bug("HostBytes without a layout")
+    pending: Pending = ctx.resource("compress-pending", Pending)
+    pending.wait_under(max_pending_bytes, ctx)
+    profile = ctx.profile
+    methods: dict[Kind, str] = (
+        profile.codec_methods if profile is not None else ctx.resource("codec-methods", dict)
+    )
+    pool = ctx.pool()
+    future = pool.submit(
+        _compress, payload, layout.dtype, codec, methods, _kind(value, layout), pool
+    )
+    # Rule 2: bytes left raw stay where they were: in the tensor's own
+    # storage for a CPU tensor, in host memory for anything copied there.
+    raw_tier: Tier = "kept" if device_of(value).type == "cpu" and kind != "host" else "host"
+    packed = Compressed(
+        "host", host.nbytes, layout.nbytes, layout, kind, future=future, source=payload
+    )
+    pending.add(future, layout.nbytes)
+    ref = weakref.ref(packed)
+    future.add_done_callback(lambda done: _finished(ref, ctx, done, raw_tier))
+    return packed
+
+
+def unpack_with(codec: _codec.Codec, packed: Packed, ctx: Context) -> Tensor | Packed:
+    """A compression stage's unpack with ``codec``: the value its pack was given."""
+    if not isinstance(packed, Compressed):
+        raise bug(f"a compression stage cannot unpack {type(packed).__name__}")
+    restored = packed.restored
+    packed.restored = None
+    if restored is not None:
+        start = time.perf_counter()
+        payload = restored.result()
+        ctx.stats.timed("wait", time.perf_counter() - start)
+    else:
+        payload = _decode(codec, packed.encoded(ctx), pool=ctx.pool())
+    layout = packed.layout
+    if layout is None:
+        raise bug("Compressed without a layout")
+    return from_host(layout, payload, packed.kind)
+
+
+def prefetch_with(codec: _codec.Codec, packed: Packed, ctx: Context) -> None:
+    """Start decoding ``packed`` on a worker, for its unpack to take."""
+    if isinstance(packed, Compressed) and packed.restored is None and packed.future:
+        future = packed.future
+        packed.restored = ctx.pool().submit(lambda: _decode(codec, future.result(), pool=None))
+
+
+def _decode(codec: _codec.Codec, encoded: _codec.Encoded, pool: Any) -> Tensor:
     part = encoded.parts[0] if encoded.parts else None
     if encoded.method == "raw" and isinstance(part, Tensor):
         return part  # the bytes as they were (rule 2): no copy
     out = torch.empty(encoded.nbytes, dtype=torch.uint8)
-    _codec.decode(encoded, out, pool=pool)
+    codec.decode(encoded, out, pool)
     return out

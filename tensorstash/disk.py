@@ -4,57 +4,80 @@
 1. Each process spills into its own directory ``tensorstash-<pid>-<random>``,
    mode 0700, made inside the directory the user names (default: the system
    temporary directory). A parent that anyone may write to without the sticky
-   bit is refused: another user could swap our directory out.
+   bit is refused: another user could swap our directory out. A parent that
+   takes no new directory (``/proc``) is refused at construction, and at the
+   first spill if it stops taking them later. A parent on tmpfs or ramfs warns
+   once: files there stay in RAM.
 2. Files are created 0600 with O_EXCL|O_NOFOLLOW relative to an open handle of
    the private directory, so no planted name or symlink is ever written
    through.
-3. A single background writer writes files in pack order while forward goes on;
-   the packed value holds the bytes until they are written. A full disk
-   (ENOSPC, EDQUOT) keeps the bytes in memory instead, with one warning and a
-   count in ``stats.fallbacks``.
-4. Reads are raw bytes checked against a CRC-32 taken while writing; a missing,
-   truncated or corrupted file raises :class:`SpillError` naming the tensor.
-   Nothing is ever unpickled.
-5. A file is deleted when its packed value is freed (never at unpack). The
-   private directory is removed at exit (atexit, or multiprocessing's exit for
-   its children); directories left by dead processes of the same user are
+3. A single background writer writes files in pack order while forward goes
+   on. Until a value is written its bytes are in host RAM and count there in
+   the stats ("host"); pack waits while more than ``max_pending_bytes`` wait.
+4. The data path. The writer takes the value's buffers through the Spillable
+   protocol (rule 2 of NOTE [ Tiers ] in policy.py), whatever stage made
+   them, and writes them with one ``writev`` per value: one copy, into the
+   page cache. The checksum is xxh3-64, at memory speed and without the GIL.
+   A read goes straight into the buffer handed back, the stash's own (NOTE
+   [ Read buffers ] in _buffers.py), after an ``fstat`` that checks the
+   size; the checksum is checked after. A missing,
+   truncated, grown or corrupted file raises :class:`SpillError` naming the
+   tensor. Nothing is ever unpickled.
+5. A full disk (ENOSPC, EDQUOT), or a session past ``max_disk_bytes``, keeps
+   the value in memory instead, with one warning per session and a count in
+   ``stats.fallbacks`` ("disk full", "disk cap").
+6. A file belongs to its packed value (:class:`_File`): it is created only
+   while the value is alive, at most once, and removed when the value is
+   freed, also while the writer or a read-ahead is at work on it (unlink works
+   on an open file). Work in flight holds the file and the bytes, never the
+   packed value, so a freed graph leaves no file once ``gc.collect()`` returns.
+7. Bytes a spill frees must leave the process: once the resident set grew by
+   ``trim_every`` bytes, the writer or a read-ahead hands the allocator's free
+   memory back to the OS (NOTE [ Returning memory ] in _trim.py). Read buffers are the
+   stash's own and go back to the pool, or the OS, when their tensor dies.
+8. The private directory is removed at exit (atexit, or multiprocessing's exit
+   for its children); directories left by dead processes of the same user are
    removed when a new one is made. A forked child makes its own directory and
    never removes its parent's files or directory.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import dataclasses
 import errno
-import multiprocessing.util
 import os
-import shutil
-import stat
 import tempfile
 import threading
 import time
 import weakref
-import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
-import psutil
-import torch
+import xxhash
 from torch import Tensor
 
+from tensorstash._buffers import POOL
 from tensorstash._layout import Layout, memory
 from tensorstash._reasons import Reason, Why, reason
+from tensorstash._spilldir import (
+    SpillDirectory,
+    check_directory,
+    filesystem,
+    probe,
+    remove_directories,
+    remove_stale,
+    spill_directory,
+    warn_if_ram_backed,
+)
+from tensorstash._trim import Trimmer
 from tensorstash.policy import (
     Context,
     Held,
     HostBytes,
     Packed,
     Pending,
-    Returns,
+    Spillable,
     bug,
     finalize,
     from_host,
@@ -63,276 +86,200 @@ from tensorstash.policy import (
 )
 from tensorstash.stats import Tier
 
-_PREFIX = "tensorstash-"
+__all__ = [
+    "DiskSpill",
+    "SpillDirectory",
+    "SpillError",
+    "Spilled",
+    "filesystem",
+    "remove_directories",
+    "remove_stale",
+    "spill_directory",
+]
+
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+# Buffers one writev takes (Linux's IOV_MAX is 1024).
+_IOV_MAX = 1024
+_RERUN = (
+    "The spill directory must not be changed while a graph that uses it is alive; rerun the step."
+)
 
 
 class SpillError(RuntimeError):
-    """A spill file could not be read back as it was written."""
+    """A spill file could not be written, or read back as it was written."""
 
 
-# -- the private directory ----------------------------------------------------------
+# -- one value's file (rule 6) ------------------------------------------------------------
 
 
-def check_parent(parent: Path, api: str) -> None:
-    """Refuse a parent directory that is missing, unwritable or unsafe (rule 1).
+class _Usage:
+    """Bytes a session's files hold on disk, against its cap (rule 5)."""
 
-    Raises:
-        ValueError: with what is wrong and what to pass instead.
-    """
-    fix = "pass a writable directory you own, or directory=None for the system temporary one"
-    try:
-        info = os.stat(parent)
-    except OSError as error:
-        raise ValueError(
-            f"{api}: directory '{parent}' cannot be used ({error.strerror}); {fix}"
-        ) from None
-    if not stat.S_ISDIR(info.st_mode):
-        raise ValueError(f"{api}: '{parent}' is not a directory; {fix}")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{api}: directory '{parent}' is not writable; {fix}")
-    if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX:
-        raise ValueError(
-            f"{api}: directory '{parent}' is writable by every user and has no sticky bit, so "
-            f"another user could replace the spill directory; {fix} (or `chmod +t` it)"
-        )
-
-
-def check_directory(directory: object, api: str) -> None:
-    """A ``directory=`` argument: None, or a path to a usable parent (see :func:`check_parent`).
-
-    Raises:
-        TypeError: not a path.
-        ValueError: an empty path, or one :func:`check_parent` refuses.
-    """
-    if directory is None:
-        return
-    if not isinstance(directory, (str, os.PathLike)):
-        raise TypeError(
-            f"{api}: directory must be a path (str or os.PathLike) or None; "
-            f"got {type(directory).__name__} {directory!r}"
-        )
-    if os.fspath(directory) == "":
-        raise ValueError(
-            f"{api}: directory is an empty path; pass a writable directory you own, "
-            "or directory=None for the system temporary one"
-        )
-    check_parent(Path(directory), api)
-
-
-def _stale(entry: os.DirEntry[str], uid: int) -> bool:
-    """A spill directory of ours whose process is provably gone (rule 5)."""
-    parts = entry.name[len(_PREFIX) :].split("-", 1)
-    if len(parts) != 2 or not parts[0].isdigit():
-        return False
-    pid = int(parts[0])
-    try:
-        info = entry.stat(follow_symlinks=False)
-    except OSError:
-        return False
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or pid == os.getpid():
-        return False
-    return not psutil.pid_exists(pid)
-
-
-def remove_stale(parent: Path) -> list[str]:
-    """Remove spill directories left in ``parent`` by dead processes of this user."""
-    removed: list[str] = []
-    uid = os.getuid()
-    try:
-        entries = list(os.scandir(parent))
-    except OSError:
-        return removed
-    for entry in entries:
-        if entry.name.startswith(_PREFIX) and _stale(entry, uid):
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(entry.path)
-    return removed
-
-
-class SpillDirectory:
-    """This process's private spill directory inside one parent (rules 1, 2 and 5)."""
-
-    def __init__(self, parent: Path) -> None:
-        check_parent(parent, "tensorstash.DiskSpill")
-        remove_stale(parent)
-        self.path = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=parent))
-        os.chmod(self.path, 0o700)
-        self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        self.pid = os.getpid()  # a forked child inherits this object but must not touch it
-        self._count = 0
+    def __init__(self) -> None:
+        self.bytes = 0
         self._lock = threading.Lock()
 
-    def new_name(self) -> str:
+    def take(self, nbytes: int, cap: int | None) -> bool:
         with self._lock:
-            self._count += 1
-            return f"{self._count:08d}.bin"
+            if cap is not None and self.bytes + nbytes > cap:
+                return False
+            self.bytes += nbytes
+            return True
 
-    def create(self, name: str) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        return os.open(name, flags, 0o600, dir_fd=self.fd)
-
-    def open(self, name: str) -> int:
-        return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
-
-    def remove(self, name: str) -> None:
-        if self.pid != os.getpid():
-            return  # the parent's file, freed in a forked child: the parent removes it
+    def give(self, nbytes: int) -> None:
         with self._lock:
-            if self.fd < 0:
-                return  # closed: the directory and its files are already gone
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=self.fd)
+            self.bytes -= nbytes
 
-    def __del__(self) -> None:
-        # A directory replaced after it was deleted from outside (spill_directory)
-        # is freed with the last spilled value that used it: close its descriptor.
-        fd = getattr(self, "fd", -1)
-        if fd >= 0:
-            self.fd = -1
-            with contextlib.suppress(OSError):
-                os.close(fd)
 
-    def close(self) -> None:
-        """Remove the directory and everything in it (in the process that made it)."""
-        if self.pid != os.getpid():
-            return
+class _CapReached(Exception):
+    """The session's files would hold more than ``max_disk_bytes``."""
+
+
+_WAITING, _CREATED, _GONE = range(3)
+
+
+class _File:
+    """The file of one packed value: made at most once, while the value lives (rule 6)."""
+
+    __slots__ = ("_held", "_lock", "_state", "directory", "name", "usage")
+
+    def __init__(self, directory: SpillDirectory, usage: _Usage) -> None:
+        self.directory = directory
+        self.name = directory.new_name()
+        self.usage = usage
+        self._lock = threading.Lock()
+        self._state = _WAITING
+        self._held = 0
+
+    @property
+    def path(self) -> Path:
+        return self.directory.path / self.name
+
+    @property
+    def released(self) -> bool:
+        return self._state == _GONE
+
+    def write(self, views: list[memoryview], size: int, cap: int | None) -> int | None:
+        """Create the file and write ``views`` to it: their xxh3-64 digest.
+
+        None when the value was freed first (no file is made).
+
+        Raises:
+            _CapReached: the session's cap would be passed (nothing is made).
+            OSError: the file could not be made or written; nothing is left.
+        """
         with self._lock:
-            shutil.rmtree(self.path, ignore_errors=True)
-            if self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
+            if self._state != _WAITING:
+                return None
+            if not self.usage.take(size, cap):
+                raise _CapReached
+            self._held = size
+            try:
+                fd = self.directory.create(self.name)
+            except OSError:
+                self._drop()
+                raise
+            self._state = _CREATED
+        try:
+            return _write_views(fd, views)
+        except OSError:
+            self.release()
+            raise
+        finally:
+            os.close(fd)
+
+    def open(self) -> int:
+        return self.directory.open(self.name)
+
+    def release(self) -> None:
+        """Remove the file, now or as soon as it is made: the value is gone."""
+        if self.directory.pid != os.getpid():
+            return  # a forked child's copy: the file and its lock belong to the parent (rule 7)
+        with self._lock:
+            created = self._state == _CREATED
+            self._state = _GONE
+            if created:
+                self.directory.remove(self.name)
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._held:
+            self.usage.give(self._held)
+            self._held = 0
 
 
-_directories: dict[Path, SpillDirectory] = {}
-_directories_lock = threading.Lock()
-
-
-def spill_directory(parent: Path) -> SpillDirectory:
-    """The process-wide private directory inside ``parent``, made on first use."""
-    key = parent.resolve()
-    with _directories_lock:
-        found = _directories.get(key)
-        if found is None or found.pid != os.getpid() or not found.path.is_dir():
-            found = _directories[key] = SpillDirectory(key)
-        return found
-
-
-@atexit.register
-def _remove_directories() -> None:
-    with _directories_lock:
-        for directory in _directories.values():
-            directory.close()
-        _directories.clear()
-
-
-def _forget_inherited() -> None:
-    """In a forked child: the directories belong to the parent; start with none."""
-    global _directories_lock
-    _directories.clear()
-    _directories_lock = threading.Lock()  # another thread may have held it at the fork
-
-
-def _remove_at_multiprocessing_exit(_: object = None) -> None:
-    """Children of multiprocessing (DDP ranks, DataLoader workers) end with
-    os._exit, which skips atexit; multiprocessing runs its finalizers first.
-    A forked child starts with none, hence the registration after fork too."""
-    multiprocessing.util.Finalize(None, _remove_directories, exitpriority=0)
-
-
-os.register_at_fork(after_in_child=_forget_inherited)
-_remove_at_multiprocessing_exit()
-multiprocessing.util.register_after_fork(_remove_directories, _remove_at_multiprocessing_exit)
-
-
-# -- what gets written ------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Hole:
-    """Where a buffer of a flattened value goes (an index into the written buffers)."""
-
-    index: int
-    nbytes: int
-    tensor: bool = False
-
-
-_BYTES = (bytes, bytearray, memoryview)
-
-
-def _flatten(value: Any, buffers: list[memoryview]) -> Any:
-    """Replace the byte buffers inside a value (nested tuples, lists, dataclasses) by holes."""
-    if isinstance(value, _BYTES):
-        view = memoryview(value).cast("B")
-        buffers.append(view)
-        return _Hole(len(buffers) - 1, view.nbytes)
-    if isinstance(value, Tensor):
-        buffers.append(memory(value.contiguous().view(torch.uint8).reshape(-1)))
-        return _Hole(len(buffers) - 1, buffers[-1].nbytes, tensor=True)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_flatten(item, buffers) for item in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {
-            f.name: _flatten(getattr(value, f.name), buffers)
-            for f in dataclasses.fields(value)
-            if f.init
-        }
-        return dataclasses.replace(value, **changes)
-    return value
-
-
-def _fill(skeleton: Any, data: Tensor, offsets: list[int]) -> Any:
-    """The inverse of :func:`_flatten`: holes become slices of the bytes read back."""
-    if isinstance(skeleton, _Hole):
-        start = offsets[skeleton.index]
-        piece = data[start : start + skeleton.nbytes]
-        return piece if skeleton.tensor else memory(piece)
-    if isinstance(skeleton, (tuple, list)):
-        return type(skeleton)(_fill(item, data, offsets) for item in skeleton)
-    if dataclasses.is_dataclass(skeleton) and not isinstance(skeleton, type):
-        changes = {
-            f.name: _fill(getattr(skeleton, f.name), data, offsets)
-            for f in dataclasses.fields(skeleton)
-            if f.init
-        }
-        return dataclasses.replace(skeleton, **changes)
-    return skeleton
+def _write_views(fd: int, views: list[memoryview]) -> int:
+    """Write the views in order, one writev at a time (rule 4); their xxh3-64 digest."""
+    digest = xxhash.xxh3_64()
+    for view in views:
+        digest.update(view)
+    rest = [view for view in views if view.nbytes]
+    while rest:
+        done = os.writev(fd, rest[:_IOV_MAX])
+        while done:
+            first = rest[0]
+            if done >= first.nbytes:
+                done -= first.nbytes
+                rest.pop(0)
+            else:
+                rest[0], done = first[done:], 0
+    return digest.intdigest()
 
 
 # -- the packed value ---------------------------------------------------------------------
 
 
-@dataclass(eq=False, slots=True, weakref_slot=True)
-class Spilled(Packed):
-    """A value written to a spill file (or kept in memory if the disk was full).
+@dataclass(frozen=True, slots=True)
+class _Written:
+    """What the writer did with a value.
 
     Attributes:
-        inner: what the previous stage packed (a Compressed value) with its byte
-            buffers replaced by holes; None when the file holds a tensor's bytes.
-        layout: the tensor's layout, when the file holds its bytes.
-        kind: what unpack returns (see ``policy.from_host``).
-        directory, name: where the file is.
-        written: resolves to the file's (size, crc32) once the writer is done,
-            or to None if the bytes stayed in memory (full disk).
-        source: the bytes to write (or kept, on a full disk).
+        sizes: the bytes of each buffer, in file order.
+        digest: xxh3-64 of the file's bytes.
+        shell: the value without its bytes (``from_buffers`` rebuilds it).
+        kept: the value itself when its bytes stayed in memory (rule 5), else None.
+    """
+
+    sizes: tuple[int, ...]
+    digest: int
+    shell: Any
+    kept: Any = None
+
+    @property
+    def size(self) -> int:
+        return sum(self.sizes)
+
+
+Holds = Literal["tensor", "held", "packed"]
+"""What a Spilled value's unpack returns: a tensor or Held value, rebuilt from the
+bytes of its HostBytes (``from_host``), or the Spillable value it was given."""
+
+
+@dataclass(eq=False, slots=True, weakref_slot=True)
+class Spilled(Packed):
+    """A value written to a spill file (or kept in memory, rule 5).
+
+    Attributes:
+        layout: the tensor's layout (for messages, and to rebuild a tensor).
+        holds: what unpack returns.
+        file: the file, owned by this value (rule 6).
+        written: resolves to what the writer did (None: nothing, the value was freed).
         prefetched: the file's bytes read ahead of unpack (a cache, not a resource).
     """
 
-    inner: Any = None
     layout: Layout | None = None
-    kind: Returns = "tensor"
-    directory: SpillDirectory | None = None
-    name: str = ""
-    written: Future[tuple[int, int] | None] | None = None
-    source: Any = None
-    prefetched: Future[Tensor] | None = None
+    holds: Holds = "packed"
+    file: _File | None = None
+    written: Future[_Written | None] | None = None
+    prefetched: Future[Tensor | None] | None = None
 
     def describe(self) -> str:
-        inner = self.inner[0] if isinstance(self.inner, tuple) else self.inner
-        layout = self.layout or getattr(inner, "layout", None)
-        what = f"{layout.dtype} tensor of shape {list(layout.shape)}" if layout else "a tensor"
-        path = self.directory.path / self.name if self.directory else self.name
-        return f"{what} (spill file '{path}')"
+        return _describe(self.layout, self.file)
+
+
+def _describe(layout: Layout | None, file: _File | None) -> str:
+    what = f"{layout.dtype} tensor of shape {list(layout.shape)}" if layout else "a tensor"
+    return f"{what} (spill file '{file.path}')" if file is not None else what
 
 
 @dataclass(frozen=True)
@@ -344,248 +291,279 @@ class DiskSpill:
 
     Args:
         directory: where to make the private spill directory (default: the
-            system temporary directory).
+            system temporary directory). Point it at a disk: on tmpfs or ramfs
+            (``/dev/shm``, and ``/tmp`` on many systems) files stay in RAM,
+            and DiskSpill warns once.
         max_pending_bytes: bytes allowed to wait for the writer before pack waits.
+        max_disk_bytes: the most bytes a session's files may hold on disk; past
+            it, tensors stay in memory (``stats.fallbacks["disk cap"]``).
+            None: no cap.
+        trim_every: once the process's resident set grew by this many bytes,
+            hand the memory the allocator keeps free back to the OS (glibc's
+            ``malloc_trim``, from a background thread; NOTE [ Returning
+            memory ] in _trim.py). None: never.
 
     Raises:
-        ValueError: the directory is missing, unwritable, or world-writable
-            without the sticky bit.
+        ValueError: the directory is missing, unwritable, world-writable
+            without the sticky bit, or takes no new directory.
         TypeError: an argument of the wrong type.
 
     Example:
         >>> with tensorstash.stash(tensorstash.DiskSpill("/scratch")) as session:
         ...     loss = model(x).sum()
+
+    .. warning::
+        Spilled bytes go through the page cache: the kernel writes them to the
+        disk when it needs the memory, and drops them when the file is removed.
     """
 
     directory: str | os.PathLike[str] | None = None
-    max_pending_bytes: int = 512 << 20
+    max_pending_bytes: int = 32 << 20
+    max_disk_bytes: int | None = None
+    trim_every: int | None = 16 << 20
 
     stage_rank: ClassVar[int] = 2
 
     def __post_init__(self) -> None:
         check_directory(self.directory, "tensorstash.DiskSpill")
-        value = self.max_pending_bytes
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(
-                f"tensorstash.DiskSpill: max_pending_bytes must be an int >= 0; got {value!r}"
-            )
-        if value < 0:
-            raise ValueError(
-                f"tensorstash.DiskSpill: max_pending_bytes must be an int >= 0; got {value}"
-            )
+        _check_size("max_pending_bytes", self.max_pending_bytes, optional=False)
+        _check_size("max_disk_bytes", self.max_disk_bytes, optional=True)
+        _check_size("trim_every", self.trim_every, optional=True)
+        parent = self._parent()
+        probe(parent)
+        warn_if_ram_backed(parent, stacklevel=4)
 
     def _parent(self) -> Path:
         return Path(self.directory) if self.directory is not None else Path(tempfile.gettempdir())
 
     def pack(self, value: Tensor | Packed, ctx: Context) -> Spilled:
         directory = spill_directory(self._parent())
-        if isinstance(value, HostBytes) or not isinstance(value, Packed) or isinstance(value, Held):
-            # Host bytes still being copied from the device are waited for by
-            # the writer, not here (rule 3).
-            host, kind = to_host(value, wait=False)
-            layout = host.layout
-            source: Any = host if kind == "host" else host.ready()
-            inner = None
-            nbytes = host.nbytes
-        else:
-            layout, kind, inner, source, nbytes = None, "tensor", value, value, value.nbytes
+        item, holds, kept_tier = _spillable(value)
         pending: Pending = ctx.resource("disk-pending", Pending)
         pending.wait_under(self.max_pending_bytes, ctx)
-        stored = layout.nbytes if layout is not None else value.stored_bytes  # type: ignore[union-attr]
+        file = _File(directory, ctx.resource("disk-usage", _Usage))
+        layout = getattr(item, "layout", None)
         packed = Spilled(
-            "disk", nbytes, stored, inner=inner, layout=layout, kind=kind,
-            directory=directory, name=directory.new_name(), source=source,
-        )  # fmt: skip
-        ref = weakref.ref(packed)
-        packed.written = ctx.writer().submit(_write, ref, ctx, directory, packed.name, source)
-        pending.add(packed.written, stored)
-        finalize(packed, directory.remove, packed.name)
+            "host", item.nbytes, item.stored_bytes, layout=layout, holds=holds, file=file
+        )
+        job = _Job(
+            file, item, weakref.ref(packed), ctx, self.max_disk_bytes, kept_tier, self._trimmer(ctx)
+        )
+        packed.written = ctx.writer().submit(without_frames, job.run)
+        pending.add(packed.written, item.stored_bytes)
+        finalize(packed, file.release)
         return packed
 
+    def _trimmer(self, ctx: Context) -> Trimmer:
+        trimmer: Trimmer = ctx.resource("disk-trim", lambda: Trimmer(self.trim_every))
+        return trimmer
+
     def unpack(self, packed: Packed, ctx: Context) -> Tensor | Packed:
-        if not isinstance(packed, Spilled):
+        if not isinstance(packed, Spilled) or packed.written is None or packed.file is None:
             raise bug(f"DiskSpill cannot unpack {type(packed).__name__}")
-        if packed.written is None:
-            raise bug("Spilled without a writer future")
         start = time.perf_counter()
         written = packed.written.result()
-        if written is None:  # the disk was full: the bytes stayed in memory
-            ctx.stats.timed("wait", time.perf_counter() - start)
-            return _rebuild(packed, packed.source)
-        prefetched, packed.prefetched = packed.prefetched, None
-        data = prefetched.result() if prefetched is not None else _read(packed, written)
+        if written is None:
+            raise bug("a freed value was unpacked")
+        if written.kept is not None:
+            value = written.kept
+        else:
+            prefetched, packed.prefetched = packed.prefetched, None
+            data = prefetched.result() if prefetched is not None else None
+            if data is None:
+                data = _read(packed.file, written, packed.layout)
+            value = written.shell.from_buffers(_pieces(data, written.sizes))
         ctx.stats.timed("wait", time.perf_counter() - start)
-        return _rebuild(packed, data)
+        return _returned(value, packed)
 
     def prefetch(self, packed: Packed, ctx: Context) -> None:
-        if isinstance(packed, Spilled) and packed.prefetched is None and packed.written:
-            written_future = packed.written
-
-            def read() -> Tensor | Any:
-                written = written_future.result()
-                return packed.source if written is None else _read(packed, written)
-
-            packed.prefetched = ctx.pool().submit(without_frames, read)
-
-
-def _write(
-    ref: weakref.ref[Spilled], ctx: Context, directory: SpillDirectory, name: str, source: Any
-) -> tuple[int, int] | None:
-    """The writer's job (rule 3), whose error keeps no frame that holds the tensor.
-
-    The future keeps the error until unpack re-raises it, and the session's
-    context keeps the future: an error whose traceback reached the packed value
-    or its bytes would keep them, and the graph, alive as long as the session.
-    """
-    return without_frames(_write_now, ref, ctx, directory, name, source)
+        if not isinstance(packed, Spilled) or packed.prefetched is not None:
+            return
+        written, file = packed.written, packed.file
+        if written is not None and file is not None:
+            packed.prefetched = ctx.pool().submit(
+                without_frames, _read_ahead, file, written, packed.layout, self._trimmer(ctx)
+            )
 
 
-def _write_now(
-    ref: weakref.ref[Spilled], ctx: Context, directory: SpillDirectory, name: str, source: Any
-) -> tuple[int, int] | None:
-    """Write and checksum, or keep the bytes on a full disk."""
-    packed = ref()
-    if packed is None:
-        return None  # freed before it was written: nothing to keep
-    inner = packed.inner
-    if inner is not None:
-        encoded = inner.encoded(ctx)
-        buffers: list[memoryview] = []
-        packed.inner = dataclasses.replace(inner, future=None, source=None, restored=None)
-        skeleton = _flatten(encoded, buffers)
-    else:
-        if isinstance(source, HostBytes):
-            source = packed.source = source.ready()
-        buffers = [memory(source)]
-        skeleton = None
-    try:
-        size, crc = _write_file(directory, name, buffers)
-    except OSError as error:
-        if error.errno not in _FULL:
-            raise SpillError(
-                f"tensorstash.DiskSpill: cannot write {packed.describe()}: {error}"
-            ) from error
-        directory.remove(name)
-        ctx.stats.fallback("disk full")
-        ctx.warn(
-            f"tensorstash.DiskSpill: the disk holding '{directory.path}' is full "
+def _check_size(name: str, value: object, *, optional: bool) -> None:
+    if value is None and optional:
+        return
+    wanted = "None or an int >= 0" if optional else "an int >= 0"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"tensorstash.DiskSpill: {name} must be {wanted}; got {value!r}")
+    if value < 0:
+        raise ValueError(f"tensorstash.DiskSpill: {name} must be {wanted}; got {value}")
+
+
+def _spillable(value: Tensor | Packed) -> tuple[Any, Holds, Tier]:
+    """What the writer writes, what unpack returns, and the tier if it stays in memory."""
+    if isinstance(value, (Tensor, Held)):
+        # A CPU tensor's payload is a view of its own storage: kept in memory,
+        # it stays where it was.
+        host, kind = to_host(value, wait=False)
+        holds: Holds = "held" if kind == "held" else "tensor"
+        on_cpu = host.layout is not None and host.layout.device.type == "cpu"
+        return host, holds, "kept" if on_cpu else "host"
+    if isinstance(value, Spillable) and isinstance(value, Packed):
+        return value, "packed", "host"
+    raise TypeError(
+        f"tensorstash.DiskSpill: cannot spill a {type(value).__name__}: a stage before "
+        "DiskSpill must pack to a value with spill_buffers and from_buffers "
+        "(NOTE [ Tiers ] in tensorstash/policy.py)"
+    )
+
+
+def _returned(value: Any, packed: Spilled) -> Tensor | Packed:
+    """The value DiskSpill's pack was given, from the value rebuilt from its bytes."""
+    if packed.holds == "packed":
+        result: Packed = value
+        return result
+    if not isinstance(value, HostBytes) or value.layout is None:
+        raise bug("a tensor's spilled bytes did not come back as HostBytes")
+    return from_host(value.layout, value.ready(), packed.holds)
+
+
+# -- the writer (rules 3 to 6) ------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Job:
+    """The writer's job for one value. It holds the file and the bytes, never the
+    packed value (rule 6); its error keeps no frame (``without_frames``), since
+    the future keeps the error until unpack re-raises it."""
+
+    file: _File
+    item: Any
+    ref: weakref.ref[Spilled]
+    ctx: Context
+    cap: int | None
+    kept_tier: Tier
+    trimmer: Trimmer
+
+    def run(self) -> _Written | None:
+        item, self.item = self.item, None  # the bytes leave with this frame
+        if self.file.released:
+            return None  # freed before it was written: no file (rule 6)
+        written = self._store(item)
+        del item  # the bytes written are free once forward lets go of them too
+        if written is not None and written.kept is None:
+            self.trimmer.moved()  # rule 7
+        return written
+
+    def _store(self, item: Any) -> _Written | None:
+        shell, views = item.spill_buffers(self.ctx)
+        sizes = tuple(view.nbytes for view in views)
+        try:
+            digest = self.file.write(views, sum(sizes), self.cap)
+        except _CapReached:
+            return self._keep(item, Why.DISK_CAP, "disk cap", self._cap_message())
+        except OSError as error:
+            if error.errno not in _FULL:
+                what = _describe(getattr(item, "layout", None), self.file)
+                raise SpillError(f"tensorstash.DiskSpill: cannot write {what}: {error}") from error
+            return self._keep(item, Why.DISK_FULL, "disk full", self._full_message(error))
+        if digest is None:
+            return None  # freed while the file was being made
+        self._moved("disk", sum(sizes), _outcome(item, sum(sizes)))
+        return _Written(sizes, digest, shell)
+
+    def _keep(self, item: Any, why: Why, count: str, message: str) -> _Written:
+        """Rule 5: the bytes stay in memory, counted where they rest."""
+        self.ctx.stats.fallback(count)
+        self.ctx.warn(message, once=count)
+        self._moved(self.kept_tier, item.stored_bytes, Reason(why))
+        return _Written((), 0, None, kept=item)
+
+    def _moved(self, tier: Tier, stored: int, outcome: Reason) -> None:
+        packed = self.ref()
+        if packed is not None:
+            self.ctx.update(packed, tier, stored, outcome)
+
+    def _full_message(self, error: OSError) -> str:
+        return (
+            f"tensorstash.DiskSpill: the disk holding '{self.file.directory.path}' is full "
             f"({error.strerror}); keeping the tensor in memory instead. Free space or pass "
             "DiskSpill(directory=...) on a larger disk. (Shown once per session; "
-            "stats.fallbacks['disk full'] counts every tensor.)",
-            once="disk full",
+            "stats.fallbacks['disk full'] counts every tensor.)"
         )
-        if inner is not None:
-            packed.source = encoded
-            packed.inner = inner
-        tier: Tier = "host" if inner is not None else "kept"
-        ctx.update(packed, tier, sum(b.nbytes for b in buffers), Reason(Why.DISK_FULL))
+
+    def _cap_message(self) -> str:
+        return (
+            f"tensorstash.DiskSpill: this session's spill files reached max_disk_bytes="
+            f"{self.cap}; keeping further tensors in memory. Raise max_disk_bytes (or pass "
+            "None) to spill them. (Shown once per session; stats.fallbacks['disk cap'] "
+            "counts every tensor.)"
+        )
+
+
+def _outcome(item: Any, size: int) -> Reason:
+    nbytes = item.nbytes
+    if isinstance(item, HostBytes) or size >= nbytes:
+        return Reason(Why.SPILLED)
+    return reason(Why.SPILLED_COMPRESSIBLE, f"{nbytes / max(size, 1):.1f}x")
+
+
+# -- reading back (rule 4) ----------------------------------------------------------------
+
+
+def _read_ahead(
+    file: _File, written: Future[_Written | None], layout: Layout | None, trimmer: Trimmer
+) -> Tensor | None:
+    """A read-ahead's job: the file's bytes, or None when there is nothing to read."""
+    done = written.result()
+    if done is None or done.kept is not None or file.released:
         return None
-    packed.source = None
-    outcome = Reason(Why.SPILLED)
-    if skeleton is not None:
-        packed.inner = (packed.inner, skeleton)
-        if size < packed.nbytes:
-            outcome = reason(Why.SPILLED_COMPRESSIBLE, f"{packed.nbytes / max(size, 1):.1f}x")
-    ctx.update(packed, "disk", size, outcome)
-    return size, crc
+    data = _read(file, done, layout)
+    trimmer.moved()  # rule 7
+    return data
 
 
-def _write_file(directory: SpillDirectory, name: str, buffers: list[memoryview]) -> tuple[int, int]:
-    fd = directory.create(name)
+def _read(file: _File, written: _Written, layout: Layout | None) -> Tensor:
+    """Read a spill file whole into a buffer of the stash's own, checking size and checksum."""
+    size = written.size
     try:
-        crc, size = 0, 0
-        for buffer in buffers:
-            view = buffer
-            while view.nbytes:
-                written = os.write(fd, view)
-                view = view[written:]
-            crc = zlib.crc32(buffer, crc)
-            size += buffer.nbytes
-        return size, crc
-    finally:
-        os.close(fd)
-
-
-def _read(packed: Spilled, written: tuple[int, int]) -> Tensor:
-    """Read a spill file back whole, checking its size and checksum (rule 4)."""
-    size, crc = written
-    directory = packed.directory
-    if directory is None:
-        raise bug("Spilled without a directory")
-    fix = (
-        "The spill directory must not be changed while a graph that uses it is alive; "
-        "rerun the step."
-    )
-    try:
-        fd = directory.open(packed.name)
+        fd = file.open()
     except OSError as error:
         raise SpillError(
-            f"tensorstash.DiskSpill: cannot read back {packed.describe()}: {error.strerror}. {fix}"
+            f"tensorstash.DiskSpill: cannot read back {_describe(layout, file)}: "
+            f"{error.strerror}. {_RERUN}"
         ) from None
     try:
-        data = torch.empty(size, dtype=torch.uint8)
-        view = memory(data)
-        got = 0
-        while got < size:
-            n = os.readv(fd, [view[got:]])
-            if n == 0:
-                break
-            got += n
-        extra = os.read(fd, 1)
+        data = POOL.take(size)  # rule 4: the tensor handed back (NOTE [ Read buffers ])
+        got = _read_into(fd, memory(data), size)
     finally:
         os.close(fd)
-    if got != size or extra:
+    if got != size:
         raise SpillError(
-            f"tensorstash.DiskSpill: {packed.describe()} was truncated or grew: expected "
-            f"{size} bytes. {fix}"
+            f"tensorstash.DiskSpill: {_describe(layout, file)} was truncated or grew: "
+            f"expected {size} bytes. {_RERUN}"
         )
-    if zlib.crc32(view) != crc:
+    if xxhash.xxh3_64_intdigest(memory(data)) != written.digest:
         raise SpillError(
-            f"tensorstash.DiskSpill: {packed.describe()} is corrupted (checksum mismatch). {fix}"
+            f"tensorstash.DiskSpill: {_describe(layout, file)} is corrupted (checksum "
+            f"mismatch). {_RERUN}"
         )
     return data
 
 
-def _rebuild(packed: Spilled, data: Any) -> Tensor | Packed:
-    """The value the previous stage packed (or the tensor), from the bytes read back."""
-    if packed.layout is not None:
-        if not isinstance(data, Tensor):
-            raise bug("a tensor's spill bytes are not a tensor")
-        return from_host(packed.layout, data, packed.kind)
-    if isinstance(packed.inner, tuple):
-        compressed, skeleton = packed.inner
-        encoded = _fill(skeleton, data, _offsets(skeleton))
-        return _with_encoded(compressed, encoded, data)
-    if packed.inner is not None:  # full disk: `data` is the encoded value itself
-        return _with_encoded(packed.inner, data, None)
-    raise bug("Spilled holds neither a layout nor an inner value")
+def _read_into(fd: int, view: memoryview, size: int) -> int:
+    """Read the file into ``view``: the bytes read, or -1 if the file is not ``size`` long."""
+    if os.fstat(fd).st_size != size:
+        return -1
+    got = 0
+    while got < size:
+        count = os.preadv(fd, [view[got:]], got)
+        if count == 0:
+            break
+        got += count
+    return got
 
 
-def _offsets(skeleton: Any) -> list[int]:
-    sizes: dict[int, int] = {}
-
-    def walk(node: Any) -> None:
-        if isinstance(node, _Hole):
-            sizes[node.index] = node.nbytes
-        elif isinstance(node, (tuple, list)):
-            for item in node:
-                walk(item)
-        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
-            for f in dataclasses.fields(node):
-                walk(getattr(node, f.name))
-
-    walk(skeleton)
-    offsets, total = [], 0
-    for index in range(len(sizes)):
-        offsets.append(total)
-        total += sizes[index]
-    return offsets
-
-
-def _with_encoded(compressed: Any, encoded: Any, keep_alive: Tensor | None) -> Packed:
-    """A copy of a Compressed value whose bytes are ``encoded`` (already done)."""
-    future: Future[Any] = Future()
-    future.set_result(encoded)
-    # `keep_alive` owns the memory the encoded slices point into.
-    result: Packed = dataclasses.replace(compressed, future=future, source=keep_alive)
-    return result
+def _pieces(data: Tensor, sizes: tuple[int, ...]) -> list[Tensor]:
+    """The buffers written, as slices of the bytes read back."""
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(data[start : start + size])
+        start += size
+    return pieces

@@ -16,7 +16,28 @@ that owns its resources. Policies compose as stages of a :class:`Chain`:
    layout (see NOTE [ Geometry ] in _layout.py) and a uint8 payload.
 4. A packed value reports where its bytes rest (``tier``) and how many
    (``stored_bytes``); work that finishes later (compression, a disk write)
-   reports through :meth:`Context.update`, so stats stay true.
+   reports through :meth:`Context.update`, so stats stay true. Bytes still
+   waiting for that work are where they are now: in host RAM.
+
+# NOTE [ Tiers ]
+Stages meet through two protocols, never through each other's fields:
+
+1. A codec (:class:`tensorstash._codec.Codec`) turns a tensor's host bytes
+   into an ``Encoded`` value of plain byte buffers and back; the compression
+   stage (compress.py) runs any codec on the session's workers.
+2. A value a later stage can store as raw bytes is :class:`Spillable`:
+   ``spill_buffers(ctx)`` waits for its bytes and returns a shell (the value
+   without its bytes) and its buffers in order; ``shell.from_buffers(pieces)``
+   rebuilds the value from copies of those buffers. DiskSpill writes any
+   Spillable value this way (HostBytes and Compressed are).
+3. Adding a codec: one module with a class that has the Codec methods and a
+   frozen policy dataclass (stage rank 1) whose pack and unpack call
+   ``compress.pack_with`` and ``compress.unpack_with``; name it in _names.py
+   to give it a name. Adding a storage tier (a remote store, say): one module
+   with a policy of stage rank 2 that stores ``spill_buffers`` and rebuilds
+   with ``from_buffers``; its packed value owns what it stored (a finalizer
+   removes it, rule 7 of NOTE [ Session ]) and reports its tier through
+   :meth:`Context.update`. Nothing in the other stages changes.
 """
 
 from __future__ import annotations
@@ -34,7 +55,7 @@ from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 import torch
 from torch import Tensor
 
-from tensorstash._layout import Layout, describe, rebuild
+from tensorstash._layout import Layout, describe, memory, rebuild
 from tensorstash._reasons import Reason
 from tensorstash.stats import Decision, StashStats, Tier
 
@@ -101,6 +122,38 @@ class HostBytes(Packed):
         if self.payload is None:
             raise bug("HostBytes without a payload")
         return self.payload
+
+    def spill_buffers(self, ctx: Context) -> tuple[HostBytes, list[memoryview]]:
+        """The payload as one buffer, and a shell without it (rule 2 of NOTE [ Tiers ]).
+
+        The buffer is valid while this value is alive.
+        """
+        payload = self.ready()
+        shell = HostBytes(self.tier, self.nbytes, self.stored_bytes, self.layout, None)
+        return shell, [memory(payload)]
+
+    def from_buffers(self, pieces: list[Tensor]) -> HostBytes:
+        """This shell with its payload back: ``pieces`` holds one 1-D uint8 CPU tensor."""
+        if len(pieces) != 1:
+            raise bug(f"HostBytes rebuilt from {len(pieces)} buffers")
+        return HostBytes("host", self.nbytes, self.stored_bytes, self.layout, pieces[0])
+
+
+@runtime_checkable
+class Spillable(Protocol):
+    """A packed value a later stage can store as raw bytes (rule 2 of NOTE [ Tiers ]).
+
+    ``spill_buffers`` waits for the value's bytes (a compression, a copy from
+    the device) and returns a shell, the value without its bytes, and the
+    bytes as buffers, in order, valid while the value is alive.
+    ``shell.from_buffers(pieces)`` returns a value equal to the one spilled,
+    given 1-D uint8 CPU tensors holding those buffers' bytes (it may keep
+    views of them).
+    """
+
+    def spill_buffers(self, ctx: Context) -> tuple[Any, list[memoryview]]: ...
+
+    def from_buffers(self, pieces: list[Tensor]) -> Any: ...
 
 
 Returns = Literal["tensor", "held", "host"]

@@ -5,16 +5,22 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
+import threading
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 import tensorstash as ts
-from tensorstash import disk
+from tensorstash import _spilldir, disk
+from tensorstash.policy import Context
+from tensorstash.stats import StashStats
 
 
 def spill_dirs(parent: Path) -> list[Path]:
@@ -111,10 +117,10 @@ def test_disk_spill_names_a_deleted_file_at_unpack(tmp_path: Path) -> None:
 def test_disk_spill_full_disk_keeps_the_tensor_in_memory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def full(*args: object) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def full(name: str) -> int:  # writes fail with ENOSPC, as on a full disk
+        return os.open("/dev/full", os.O_WRONLY | os.O_CLOEXEC)
 
-    monkeypatch.setattr(disk, "_write_file", full)
+    monkeypatch.setattr(disk.spill_directory(tmp_path), "create", full)
     x = torch.randn(256, 256, requires_grad=True)
     with pytest.warns(RuntimeWarning, match="disk .* is full"):
         with ts.stash(ts.DiskSpill(tmp_path), min_bytes=0) as session:
@@ -175,7 +181,7 @@ if __name__ == "__main__":
             spill_and_backward()
             del y
             gc.collect()
-            disk._remove_directories()  # what its exit runs
+            disk.remove_directories()  # what its exit runs
             code = 0
         finally:
             os._exit(code)
@@ -185,7 +191,7 @@ if __name__ == "__main__":
     y.sum().backward()  # the parent's files are all there
     del x, y
     gc.collect()
-    disk._remove_directories()
+    disk.remove_directories()
     for start in ("fork", "spawn"):  # children that end with os._exit
         child = multiprocessing.get_context(start).Process(target=spill_and_backward)
         child.start()
@@ -212,3 +218,143 @@ def test_forked_and_multiprocessing_children_keep_to_their_own_directory(tmp_pat
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
     assert spill_dirs(spills) == []
+
+
+# -- nothing outlives the graph (rule 6 of NOTE [ Spill files ]) ------------------------------
+
+
+def test_disk_spill_graphs_freed_mid_write_leave_no_file(tmp_path: Path) -> None:
+    for _ in range(30):
+        h = torch.randn(256, 1024, requires_grad=True)
+        with ts.stash(ts.DiskSpill(tmp_path), min_bytes=0):
+            for _ in range(20):
+                h = h * 1.0001
+        del h  # the writer is still at work on most of the 20 files
+        gc.collect()
+        left = [p for d in spill_dirs(tmp_path) for p in d.iterdir()]
+        assert left == [], f"{len(left)} spill files outlived their graph"
+
+
+def test_disk_spill_counts_bytes_waiting_for_the_writer_as_host(tmp_path: Path) -> None:
+    ctx = Context(StashStats())
+    ctx.opened()
+    gate = threading.Event()
+    ctx.writer().submit(gate.wait)  # the writer is busy: the next value waits
+    try:
+        packed = ts.DiskSpill(tmp_path).pack(torch.randn(256, 256), ctx)
+        ctx.account(packed)
+        assert packed.tier == "host"
+        assert ctx.stats.to_dict()["tiers"]["host"]["live_bytes"] == 256 * 256 * 4
+    finally:
+        gate.set()
+    assert packed.written is not None
+    packed.written.result()
+    assert packed.tier == "disk"
+    assert ctx.stats.to_dict()["tiers"]["disk"]["live_bytes"] == 256 * 256 * 4
+    del packed
+    ctx.closed()
+
+
+# -- directories that cannot hold spill files (rule 1) ----------------------------------------
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_disk_spill_refuses_proc_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"DiskSpill: cannot make a spill directory in '/proc'"):
+        ts.DiskSpill("/proc")
+
+
+def test_disk_spill_refuses_a_file_as_directory(tmp_path: Path) -> None:
+    file = tmp_path / "a-file"
+    file.write_bytes(b"")
+    with pytest.raises(ValueError, match="is not a directory"):
+        ts.DiskSpill(file)
+
+
+def test_disk_spill_directory_that_stops_taking_directories_fails_at_first_spill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parent = tmp_path / "later-read-only"
+    parent.mkdir()
+    policy = ts.DiskSpill(parent)
+
+    def read_only(*args: object, **kwargs: object) -> str:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    x = torch.randn(256, 256, requires_grad=True)
+    with (
+        pytest.raises(ValueError, match=r"cannot make a spill directory.*Read-only"),
+        ts.stash(policy, min_bytes=0),
+    ):
+        (x * 2).sin()
+
+
+_MOUNTS = [
+    "22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n",
+    "30 22 0:25 / /scratch/ram rw,nosuid shared:9 - tmpfs tmpfs rw,size=1024k\n",
+]
+
+
+def test_filesystem_reads_the_longest_mount_point() -> None:
+    assert _spilldir.filesystem(Path("/scratch/ram/run"), lambda: _MOUNTS) == "tmpfs"
+    assert _spilldir.filesystem(Path("/scratch/disk"), lambda: _MOUNTS) == "ext4"
+
+
+def test_disk_spill_on_a_ram_filesystem_warns_once(tmp_path: Path) -> None:
+    ram = tmp_path / "ram"
+    mounts = [*_MOUNTS, f"31 22 0:26 / {ram} rw - ramfs ramfs rw\n"]
+    with pytest.warns(RuntimeWarning, match=r"ramfs.*Pass DiskSpill\(directory=\.\.\.\)"):
+        assert _spilldir.warn_if_ram_backed(ram, lambda: mounts) == "ramfs"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _spilldir.warn_if_ram_backed(ram, lambda: mounts) == "ramfs"  # no second warning
+        assert _spilldir.warn_if_ram_backed(tmp_path, lambda: _MOUNTS) is None
+
+
+@pytest.mark.skipif(
+    _spilldir.filesystem(Path("/dev/shm")) != "tmpfs", reason="needs /dev/shm on tmpfs"
+)
+def test_disk_spill_in_dev_shm_warns_at_construction() -> None:
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        with pytest.warns(RuntimeWarning, match="tmpfs, which keeps files in RAM"):
+            ts.DiskSpill(shm)
+    finally:
+        shutil.rmtree(shm)
+
+
+# -- a cap on the disk a session uses (rule 5) ------------------------------------------------
+
+
+def test_disk_spill_past_its_cap_keeps_tensors_in_memory(tmp_path: Path) -> None:
+    x = torch.randn(256, 256, requires_grad=True)  # (x * 2).sin().exp() saves two 256 KiB tensors
+    policy = ts.DiskSpill(tmp_path, max_disk_bytes=300 << 10)
+    with pytest.warns(RuntimeWarning, match=r"max_disk_bytes=307200.*disk cap"):
+        with ts.stash(policy, min_bytes=0, record=True) as session:
+            y = (x * 2).sin().exp()
+        y.sum().backward()
+    expected = x.detach().clone().requires_grad_()
+    (expected * 2).sin().exp().sum().backward()
+    assert torch.equal(x.grad, expected.grad)
+    assert session.stats.fallbacks["disk cap"] == 1
+    tiers = session.stats.to_dict()["tiers"]
+    assert tiers["disk"]["tensors"] == 1 and tiers["kept"]["tensors"] == 1
+    assert any("disk cap reached" in row["reason"] for row in session.decisions)
+    del y
+    gc.collect()
+    assert session.stats.live_bytes == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("max_disk_bytes", -1, ValueError),
+        ("max_disk_bytes", "1GiB", TypeError),
+        ("trim_every", -1, ValueError),
+        ("trim_every", 1.5, TypeError),
+    ],
+)
+def test_disk_spill_checks_its_sizes(field: str, value: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match=rf"DiskSpill: {field} must be None or an int >= 0"):
+        ts.DiskSpill(**{field: value})  # type: ignore[arg-type]

@@ -1,0 +1,231 @@
+"""DiskSpill against raw file I/O, and against no stash on real models (README "Spill files").
+
+Two measurements; in each the variants run interleaved, round after round, in
+one process, and every figure is the median over the rounds of a ratio taken
+within one round (the machine's speed drifts between rounds, not within one).
+
+- ``throughput``: for 16 MiB of random fp32 and of bf16, the time a DiskSpill
+  session adds to a step that saves the tensor (``(x * 1.0).sin()`` then
+  backward, against the same step without a stash), against raw I/O of the
+  same bytes in the same directory (``os.write`` of the whole buffer to a new
+  file, ``os.readv`` back into a reused buffer, unlink). Prints raw / added:
+  1.0 is raw speed.
+- ``memory``: a training step of the bench's ``small`` model and of an HF
+  GPT-2 config (4 layers, d=256, batch 4x128; needs transformers) with no
+  stash and with ``disk`` (and any other policy named): the step time against
+  no stash, and the real peak RSS growth over the step (Linux's ``VmHWM``,
+  reset before the step, after ``gc.collect()`` and ``malloc_trim(0)``).
+
+Run: python benchmarks/disk_spill.py [throughput|memory|all] [--rounds 8]
+     [--directory DIR] [--models small,gpt2] [--policies disk,lz4+disk]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import tensorstash as ts
+from tensorstash.bench import builtin_workload
+
+MiB = 1 << 20
+KINDS = {
+    "random fp32": lambda: torch.randn(4 * MiB, requires_grad=True),
+    "bf16": lambda: torch.randn(8 * MiB).bfloat16().requires_grad_(),
+}
+POLICIES: dict[str, Callable[[Path], Any]] = {
+    "disk": lambda root: ts.DiskSpill(directory=root),
+    "lz4+disk": lambda root: ts.Chain(ts.Lz4(), ts.DiskSpill(directory=root)),
+    "lz4": lambda root: ts.Lz4(),
+}
+
+
+# -- throughput ---------------------------------------------------------------------------
+
+
+def _plain(x: torch.Tensor) -> float:
+    start = time.perf_counter()
+    (x * 1.0).sin().sum().backward()
+    return time.perf_counter() - start
+
+
+def _spilled(x: torch.Tensor, root: Path) -> float:
+    start = time.perf_counter()
+    with ts.stash(ts.DiskSpill(directory=root), min_bytes=0):
+        y = (x * 1.0).sin()  # saves the non-leaf x * 1.0
+    y.sum().backward()
+    return time.perf_counter() - start
+
+
+def _raw(data: bytes, buffer: bytearray, root: Path) -> float:
+    start = time.perf_counter()
+    path = root / "raw.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.close(fd)
+    fd = os.open(path, os.O_RDONLY)
+    got = os.readv(fd, [buffer])
+    os.close(fd)
+    os.unlink(path)
+    if got != len(buffer):
+        raise OSError(f"benchmarks: read {got} of {len(buffer)} bytes back from {path}")
+    return time.perf_counter() - start
+
+
+def throughput(root: Path, rounds: int) -> dict[str, float]:
+    """Raw file I/O time over the time DiskSpill adds, per kind of data (median of rounds)."""
+    results: dict[str, float] = {}
+    for kind, make in KINDS.items():
+        x = make()
+        nbytes = x.numel() * x.element_size()
+        data, buffer = os.urandom(nbytes), bytearray(nbytes)
+        for _ in range(2):  # warm up all three
+            _plain(x), _spilled(x, root), _raw(data, buffer, root)
+        ratios, added, raw = [], [], []
+        for _ in range(rounds):
+            p, s, r = _plain(x), _spilled(x, root), _raw(data, buffer, root)
+            ratios.append(r / max(s - p, 1e-6))
+            added.append(s - p)
+            raw.append(r)
+        results[kind] = statistics.median(ratios)
+        print(
+            f"{kind:12s} 16 MiB: raw / added {results[kind]:.2f}  (added "
+            f"{statistics.median(added) * 1e3:.1f} ms, raw {statistics.median(raw) * 1e3:.1f} ms, "
+            f"{rounds} rounds)"
+        )
+    return results
+
+
+# -- memory -------------------------------------------------------------------------------
+
+
+def _high_water() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("benchmarks: no VmHWM in /proc/self/status")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _trim() -> None:
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+@contextlib.contextmanager
+def _peak(into: list[int]) -> Iterator[None]:
+    """Peak RSS growth over the block (VmHWM reset at its start)."""
+    _trim()
+    base = _rss()
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    yield
+    into.append(_high_water() - base)
+
+
+def _gpt2() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=4, n_embd=256, n_head=4, vocab_size=2048, n_positions=128,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 2048, (4, 128), generator=torch.Generator().manual_seed(0))
+    return model, lambda m: m(input_ids=ids, labels=ids).loss
+
+
+def _small() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+    workload = builtin_workload("small", seed=0)
+    batch = workload.batch
+    return workload.model, lambda m: m(*batch)
+
+
+MODELS = {"small": _small, "gpt2": _gpt2}
+
+
+def _step(model: torch.nn.Module, loss_of: Callable[..., torch.Tensor], policy: Any) -> float:
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    if policy is None:
+        loss = loss_of(model)
+    else:
+        with ts.stash(policy):
+            loss = loss_of(model)
+    loss.backward()
+    return time.perf_counter() - start
+
+
+def memory(root: Path, rounds: int, models: list[str], policies: list[str]) -> None:
+    """Step time against no stash and peak RSS growth, per model and policy."""
+    for name in models:
+        model, loss_of = MODELS[name]()
+        variants: dict[str, Any] = {"none": lambda: None}
+        variants.update({p: (lambda p=p: POLICIES[p](root)) for p in policies})
+        for make in variants.values():
+            for _ in range(2):
+                _step(model, loss_of, make())
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        peaks: dict[str, list[int]] = {v: [] for v in variants}
+        for index in range(rounds):
+            order = list(variants) if index % 2 == 0 else list(reversed(variants))
+            for variant in order:
+                with _peak(peaks[variant]):
+                    times[variant].append(_step(model, loss_of, variants[variant]()))
+        none_peak = statistics.median(peaks["none"])
+        print(f"{name}: {rounds} rounds, medians; step against none of the same round")
+        for variant in variants:
+            over = statistics.median(
+                t / base for t, base in zip(times[variant], times["none"], strict=True)
+            )
+            peak = statistics.median(peaks[variant])
+            print(
+                f"  {variant:9s} step {statistics.median(times[variant]) * 1e3:6.0f} ms "
+                f"x{over:.2f}  peak RSS growth {peak / MiB:6.1f} MiB "
+                f"({peak / max(none_peak, 1):.2f} of none's)"
+            )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", nargs="?", default="all", choices=["throughput", "memory", "all"])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--directory", default=None, help="parent of the spill directory")
+    parser.add_argument("--models", default="small,gpt2")
+    parser.add_argument("--policies", default="disk")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    with tempfile.TemporaryDirectory(prefix="ts-disk-bench-", dir=args.directory) as name:
+        root = Path(name)
+        if args.what in ("throughput", "all"):
+            throughput(root, args.rounds)
+        if args.what in ("memory", "all"):
+            memory(root, args.rounds, args.models.split(","), args.policies.split(","))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""The private spill directory: checks, creation, cleanup.
+
+Rules 1, 2 and 7 of NOTE [ Spill files ] in disk.py.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing.util
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import psutil
+
+PREFIX = "tensorstash-"
+_API = "tensorstash.DiskSpill"
+_FIX = "pass a writable directory you own, or directory=None for the system temporary one"
+_RAM_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+# -- checks ---------------------------------------------------------------------------
+
+
+def check_parent(parent: Path, api: str) -> None:
+    """Refuse a parent directory that is missing, unwritable or unsafe (rule 1).
+
+    Raises:
+        ValueError: with what is wrong and what to pass instead.
+    """
+    try:
+        info = os.stat(parent)
+    except OSError as error:
+        raise ValueError(
+            f"{api}: directory '{parent}' cannot be used ({error.strerror}); {_FIX}"
+        ) from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"{api}: '{parent}' is not a directory; {_FIX}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{api}: directory '{parent}' is not writable; {_FIX}")
+    if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX:
+        raise ValueError(
+            f"{api}: directory '{parent}' is writable by every user and has no sticky bit, so "
+            f"another user could replace the spill directory; {_FIX} (or `chmod +t` it)"
+        )
+
+
+def check_directory(directory: object, api: str) -> None:
+    """A ``directory=`` argument: None, or a path to a usable parent (see :func:`check_parent`).
+
+    Raises:
+        TypeError: not a path.
+        ValueError: an empty path, or one :func:`check_parent` refuses.
+    """
+    if directory is None:
+        return
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(
+            f"{api}: directory must be a path (str or os.PathLike) or None; "
+            f"got {type(directory).__name__} {directory!r}"
+        )
+    if os.fspath(directory) == "":
+        raise ValueError(f"{api}: directory is an empty path; {_FIX}")
+    check_parent(Path(directory), api)
+
+
+def cannot_hold(parent: Path, error: OSError) -> ValueError:
+    """The error for a parent in which no directory can be made (``/proc``, say)."""
+    return ValueError(
+        f"{_API}: cannot make a spill directory in '{parent}' ({error.strerror}); "
+        f"the file system there does not take new directories. {_FIX.capitalize()}"
+    )
+
+
+_probed: set[tuple[int, Path]] = set()
+
+
+def probe(parent: Path) -> None:
+    """Make and remove a directory in ``parent``, once per process (rule 1).
+
+    ``os.access`` says yes to root everywhere, also in ``/proc``; only making a
+    directory tells. The name carries the pid, so a probe left by a killed
+    process is removed like any stale directory.
+
+    Raises:
+        ValueError: no directory can be made there.
+    """
+    key = (os.getpid(), parent)
+    if key in _probed:
+        return
+    try:
+        made = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-probe-", dir=parent)
+        os.rmdir(made)
+    except OSError as error:
+        raise cannot_hold(parent, error) from None
+    _probed.add(key)
+
+
+# -- RAM-backed file systems ---------------------------------------------------------------
+
+
+def _mounts() -> Iterable[str]:
+    try:
+        with open("/proc/self/mountinfo") as lines:
+            return lines.readlines()
+    except OSError:
+        return ()
+
+
+def filesystem(path: Path, mounts: Callable[[], Iterable[str]] = _mounts) -> str | None:
+    """The type of the file system holding ``path`` ("ext4", "tmpfs", ...), or None if unknown.
+
+    Reads Linux's mount table (``/proc/self/mountinfo``): the mount point that
+    is the longest prefix of the path's real location wins.
+    """
+    real = os.path.realpath(path)
+    best, kind = -1, None
+    for line in mounts():
+        fields = line.split()
+        if "-" not in fields:
+            continue
+        point = fields[4].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best:
+            best, kind = len(point), fields[fields.index("-") + 1]
+    return kind
+
+
+_warned_ram: set[str] = set()
+
+
+def warn_if_ram_backed(
+    parent: Path, mounts: Callable[[], Iterable[str]] = _mounts, stacklevel: int = 2
+) -> str | None:
+    """Warn once per directory if ``parent`` is on tmpfs or ramfs (rule 1); its type if so."""
+    kind = filesystem(parent, mounts)
+    if kind not in _RAM_FILESYSTEMS:
+        return None
+    key = os.path.realpath(parent)
+    if key not in _warned_ram:
+        _warned_ram.add(key)
+        warnings.warn(
+            f"{_API}: '{parent}' is on {kind}, which keeps files in RAM: spilling there frees "
+            "no memory. Pass DiskSpill(directory=...) a directory on a disk (for example "
+            "/var/tmp, or a scratch directory in your home or on a local SSD).",
+            RuntimeWarning,
+            stacklevel=stacklevel + 1,
+        )
+    return kind
+
+
+# -- the directory ----------------------------------------------------------------------
+
+
+def _stale(entry: os.DirEntry[str], uid: int) -> bool:
+    """A spill directory of ours whose process is provably gone (rule 7)."""
+    parts = entry.name[len(PREFIX) :].split("-", 1)
+    if len(parts) != 2 or not parts[0].isdigit():
+        return False
+    pid = int(parts[0])
+    try:
+        info = entry.stat(follow_symlinks=False)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or pid == os.getpid():
+        return False
+    return not psutil.pid_exists(pid)
+
+
+def remove_stale(parent: Path) -> list[str]:
+    """Remove spill directories left in ``parent`` by dead processes of this user."""
+    removed: list[str] = []
+    uid = os.getuid()
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        if entry.name.startswith(PREFIX) and _stale(entry, uid):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+class SpillDirectory:
+    """This process's private spill directory inside one parent (rules 1, 2 and 7).
+
+    Raises:
+        ValueError: the parent is unusable, or no directory can be made in it.
+    """
+
+    def __init__(self, parent: Path) -> None:
+        check_parent(parent, _API)
+        remove_stale(parent)
+        try:
+            self.path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent))
+        except OSError as error:
+            raise cannot_hold(parent, error) from None
+        os.chmod(self.path, 0o700)
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.pid = os.getpid()  # a forked child inherits this object but must not touch it
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def new_name(self) -> str:
+        with self._lock:
+            self._count += 1
+            return f"{self._count:08d}.bin"
+
+    def create(self, name: str) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        return os.open(name, flags, 0o600, dir_fd=self.fd)
+
+    def open(self, name: str) -> int:
+        return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+
+    def remove(self, name: str) -> None:
+        if self.pid != os.getpid():
+            return  # the parent's file, freed in a forked child: the parent removes it
+        with self._lock:
+            if self.fd < 0:
+                return  # closed: the directory and its files are already gone
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=self.fd)
+
+    def __del__(self) -> None:
+        # A directory replaced after it was deleted from outside (spill_directory)
+        # is freed with the last spilled value that used it: close its descriptor.
+        fd = getattr(self, "fd", -1)
+        if fd >= 0:
+            self.fd = -1
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def close(self) -> None:
+        """Remove the directory and everything in it (in the process that made it)."""
+        if self.pid != os.getpid():
+            return
+        with self._lock:
+            shutil.rmtree(self.path, ignore_errors=True)
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+
+
+_directories: dict[Path, SpillDirectory] = {}
+_directories_lock = threading.Lock()
+
+
+def spill_directory(parent: Path) -> SpillDirectory:
+    """The process-wide private directory inside ``parent``, made on first use."""
+    with _directories_lock:
+        found = _directories.get(parent)
+        if found is None or found.pid != os.getpid() or not found.path.is_dir():
+            key = parent.resolve()
+            found = _directories.get(key)
+            if found is None or found.pid != os.getpid() or not found.path.is_dir():
+                found = _directories[key] = SpillDirectory(key)
+            _directories[parent] = found
+        return found
+
+
+@atexit.register
+def remove_directories() -> None:
+    """Remove every spill directory this process made (at exit, rule 7)."""
+    with _directories_lock:
+        for directory in set(_directories.values()):
+            directory.close()
+        _directories.clear()
+
+
+def _forget_inherited() -> None:
+    """In a forked child: the directories belong to the parent; start with none."""
+    global _directories_lock
+    _directories.clear()
+    _directories_lock = threading.Lock()  # another thread may have held it at the fork
+
+
+def _remove_at_multiprocessing_exit(_: object = None) -> None:
+    """Children of multiprocessing (DDP ranks, DataLoader workers) end with
+    os._exit, which skips atexit; multiprocessing runs its finalizers first.
+    A forked child starts with none, hence the registration after fork too."""
+    multiprocessing.util.Finalize(None, remove_directories, exitpriority=0)
+
+
+os.register_at_fork(after_in_child=_forget_inherited)
+_remove_at_multiprocessing_exit()
+multiprocessing.util.register_after_fork(remove_directories, _remove_at_multiprocessing_exit)

@@ -1,0 +1,198 @@
+"""Tiers meet through protocols (NOTE [ Tiers ]); read buffers and returned memory."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch import Tensor
+
+import tensorstash as ts
+from tensorstash import _codec
+from tensorstash._buffers import BufferPool
+from tensorstash._layout import Layout, describe, memory, rebuild
+from tensorstash._trim import Trimmer
+from tensorstash.policy import Context, Packed, Spillable
+
+
+def _payloads() -> dict[str, tuple[Tensor, torch.dtype]]:
+    generator = torch.Generator().manual_seed(0)
+    dense = torch.randn(300_001, generator=generator)
+    return {
+        "raw": (dense, dense.dtype),
+        "lz4": (torch.zeros(300_001), torch.float32),
+        "shuffle": (dense.bfloat16(), torch.bfloat16),
+        "bits": (torch.rand(300_003, generator=generator) > 0.5, torch.bool),
+        "zeros": (dense.relu(), torch.float32),
+    }
+
+
+@pytest.mark.parametrize("method", _codec.METHODS)
+def test_encoded_buffers_come_back_through_with_buffers(method: str) -> None:
+    tensor, dtype = _payloads()[method]
+    payload = tensor.view(torch.uint8).reshape(-1)
+    encoded = _codec.encode(payload, dtype, method)
+    # What a storage tier does: copy the buffers out, free the value, read them back.
+    pieces = [torch.tensor(bytearray(view), dtype=torch.uint8) for view in encoded.buffers()]
+    hollow = encoded.hollow()
+    del encoded
+    out = torch.empty_like(payload)
+    _codec.decode(hollow.with_buffers(pieces), out)
+    assert torch.equal(out, payload)
+
+
+def test_with_buffers_refuses_buffers_that_do_not_fit() -> None:
+    payload = torch.zeros(1 << 20, dtype=torch.uint8)
+    hollow = _codec.encode(payload, torch.uint8, "lz4").hollow()
+    with pytest.raises(ValueError, match="do not fit an encoded value"):
+        hollow.with_buffers([payload, payload, payload])
+
+
+# -- a stage DiskSpill has never heard of ------------------------------------------------------
+
+
+@dataclass(eq=False, slots=True, weakref_slot=True)
+class Halves(Packed):
+    """A tensor's bytes in two buffers (a stand-in for any codec's packed value)."""
+
+    layout: Layout | None = None
+    front: Tensor | None = None
+    back: Tensor | None = None
+
+    def spill_buffers(self, ctx: Context) -> tuple[Halves, list[memoryview]]:
+        assert self.front is not None and self.back is not None
+        shell = Halves(self.tier, self.nbytes, self.stored_bytes, self.layout)
+        return shell, [memory(self.front), memory(self.back)]
+
+    def from_buffers(self, pieces: list[Tensor]) -> Halves:
+        front, back = pieces
+        return Halves("host", self.nbytes, self.stored_bytes, self.layout, front, back)
+
+
+@dataclass(frozen=True)
+class Halve:
+    """A stage of rank 1 that packs to :class:`Halves`."""
+
+    stage_rank: ClassVar[int] = 1
+
+    def pack(self, value: Tensor, ctx: Context) -> Halves:
+        layout, payload = describe(value)
+        payload = payload.clone()
+        half = payload.numel() // 2
+        return Halves("host", layout.nbytes, layout.nbytes, layout, payload[:half], payload[half:])
+
+    def unpack(self, packed: Halves, ctx: Context) -> Tensor:
+        assert packed.layout is not None and packed.front is not None and packed.back is not None
+        return rebuild(packed.layout, torch.cat([packed.front, packed.back]))
+
+
+def test_disk_spill_writes_any_spillable_value(tmp_path: Path) -> None:
+    assert isinstance(Halves("host", 0, 0), Spillable)
+    x = torch.randn(256, 256, requires_grad=True)
+    with ts.stash(ts.Chain(Halve(), ts.DiskSpill(tmp_path)), min_bytes=0) as session:
+        y = (x * 2).sin().exp()
+    y.sum().backward()
+    expected = x.detach().clone().requires_grad_()
+    (expected * 2).sin().exp().sum().backward()
+    assert torch.equal(x.grad, expected.grad)
+    assert session.stats.to_dict()["tiers"]["disk"]["tensors"] == 2
+
+
+@dataclass(frozen=True)
+class Opaque:
+    """A stage whose packed value gives no buffers."""
+
+    stage_rank: ClassVar[int] = 1
+
+    def pack(self, value: Tensor, ctx: Context) -> Packed:
+        return Packed("host", 0, 0)
+
+    def unpack(self, packed: Packed, ctx: Context) -> Any:
+        raise AssertionError("never unpacked")
+
+
+def test_disk_spill_refuses_a_value_without_buffers(tmp_path: Path) -> None:
+    x = torch.randn(256, 256, requires_grad=True)
+    with (
+        pytest.raises(TypeError, match=r"cannot spill a Packed.*spill_buffers and from_buffers"),
+        ts.stash(ts.Chain(Opaque(), ts.DiskSpill(tmp_path)), min_bytes=0),
+    ):
+        (x * 2).sin()
+
+
+# -- read buffers and returned memory -----------------------------------------------------------
+
+
+def test_buffer_pool_reuses_a_buffer_once_its_tensor_dies() -> None:
+    pool = BufferPool(max_cached_bytes=1 << 20)
+    first = pool.take(100_000)
+    address = first.data_ptr()
+    assert pool.take(100_000).data_ptr() != address  # still in use
+    del first
+    gc.collect()
+    again = pool.take(100_000)
+    assert again.data_ptr() == address
+    assert again.numel() == 100_000 and again.dtype == torch.uint8
+
+
+def test_buffer_pool_unmaps_what_it_cannot_keep() -> None:
+    pool = BufferPool(max_cached_bytes=1 << 20)
+    buffers = [pool.take(600_000) for _ in range(3)]
+    del buffers
+    gc.collect()
+    assert pool.cached_bytes <= 1 << 20
+    assert pool.mapped == 3
+
+
+def test_buffer_pool_views_keep_the_buffer_in_use() -> None:
+    pool = BufferPool()
+    data = pool.take(4096)
+    data.fill_(7)
+    view = data[100:200].view(torch.int32)
+    address = data.data_ptr()
+    del data
+    gc.collect()
+    assert pool.take(4096).data_ptr() != address  # the view still holds it
+    assert bool((view == 0x07070707).all())
+
+
+class FakeMemory:
+    """A resident set that grows as told, and a release that shrinks it."""
+
+    def __init__(self) -> None:
+        self.bytes = 100 << 20
+        self.released = 0
+
+    def resident(self) -> int:
+        return self.bytes
+
+    def release(self) -> None:
+        self.released += 1
+        self.bytes -= 8 << 20
+
+
+def test_trimmer_releases_once_the_resident_set_grew() -> None:
+    memory = FakeMemory()
+    trimmer = Trimmer(16 << 20, release=memory.release, resident=memory.resident)
+    memory.bytes += 15 << 20
+    trimmer.moved()
+    assert memory.released == 0
+    memory.bytes += 1 << 20
+    trimmer.moved()
+    assert memory.released == 1
+    memory.bytes += 15 << 20  # 15 MiB above what the last call left
+    trimmer.moved()
+    assert memory.released == 1
+    assert trimmer.calls == 1
+
+
+def test_trimmer_without_a_release_never_reads_memory() -> None:
+    def resident() -> int:
+        raise AssertionError("read the resident set")
+
+    Trimmer(16 << 20, release=None, resident=resident).moved()
+    Trimmer(None, release=lambda: None, resident=resident).moved()
