@@ -31,13 +31,14 @@ from torch import Tensor, nn
 from tensorstash import _modules, _rates, _reasons
 from tensorstash._names import resolve
 from tensorstash._reasons import Reason, Why, reason
+from tensorstash._trim import Watch
 from tensorstash.compress import Lz4
 from tensorstash.cpu import CpuOffload
 from tensorstash.disk import DiskSpill, check_directory
 from tensorstash.plan import Plan, Rates, make_plan
 from tensorstash.policy import Chain, Context, Defer, Keep, Policy
 from tensorstash.recompute import unwrap_for_plan, warm_up, wrap_for_plan
-from tensorstash.stats import Tier, human_bytes
+from tensorstash.stats import StashStats, Tier, human_bytes
 
 _HOST = torch.device("cpu")
 
@@ -257,6 +258,12 @@ class Auto:
         never_recompute: modules the plan must not recompute: paths (a module
             and those inside it) or class names.
         always_recompute: modules the plan recomputes whatever the budget.
+        trim_every: in a planned step on the CPU that moves or recomputes
+            anything, a thread hands the allocator's free memory back to the
+            OS each time the resident set grew by this many bytes (NOTE
+            [ Returning memory ] in _trim.py, rule 6), so the bytes the plan
+            frees leave the process. "auto": three quarters of the step's
+            activation bytes, at least 16 MiB. None: never.
         device_probe, host_probe, clock: injected probes (see :class:`Select`).
 
     Example:
@@ -274,6 +281,7 @@ class Auto:
     recompute: bool = True
     never_recompute: tuple[str, ...] = ()
     always_recompute: tuple[str, ...] = ()
+    trim_every: int | str | None = "auto"
     device_probe: Probe = device_memory
     host_probe: Probe = host_memory
     clock: Callable[[], float] = time.monotonic
@@ -285,6 +293,13 @@ class Auto:
         parse_bytes(self.host_reserve, api, "host_reserve")
         check_directory(self.directory, api)
         check_probes(self, api)
+        if self.trim_every not in (None, "auto"):
+            every = parse_bytes(self.trim_every, api, "trim_every")
+            if isinstance(every, float) or every <= 0:
+                raise ValueError(
+                    f"{api}: trim_every must be a positive size such as '64MiB', 'auto' or None; "
+                    f"got {self.trim_every!r}"
+                )
         if not isinstance(self.recompute, bool):
             raise TypeError(f"{api}: recompute must be True or False; got {self.recompute!r}")
         for name in ("never_recompute", "always_recompute"):
@@ -328,6 +343,9 @@ class Auto:
 CPU_CONTENTION = 3.0
 """How much more a byte moved on a busy CPU costs the step than a probe of it took."""
 
+TRIM_LEAST = 16 << 20
+"""The least ``trim_every`` "auto" chooses (NOTE [ Returning memory ] in _trim.py, rule 6)."""
+
 RECENT_SHARE = 4
 """Auto keeps the tensors saved last in the last 1/RECENT_SHARE of its budget (rule 5)."""
 
@@ -362,6 +380,8 @@ class _AutoState:
         self.planned_for = False  # whether this step's plan was made
         self.recomputed: list[tuple[str, nn.Module]] = []
         self.cache_off: Any = None  # a model config whose use_cache was turned off
+        self.stats = ctx.stats
+        self.watch: Watch | None = None  # returns freed memory in a planned CPU step
 
     # The session's step ------------------------------------------------------------
 
@@ -398,6 +418,7 @@ class _AutoState:
         self.plan = self._plan(module)
         if self.plan is not None:
             self._recompute(self.plan.recompute)
+            self._watch(self.plan)
 
     def left(self, module: nn.Module) -> None:
         return None
@@ -405,6 +426,9 @@ class _AutoState:
     def end(self) -> None:
         """The session exits: give every module back."""
         _modules.unobserve(self)
+        if self.watch is not None:
+            self.watch.exited()  # it stops when the step's saved tensors are freed
+            self.watch = None
         for _, module in self.recomputed:
             unwrap_for_plan(module)
         self.recomputed = []
@@ -458,6 +482,18 @@ class _AutoState:
             if module is not None and wrap_for_plan(module):
                 self.recomputed.append((path, module))
         profile.recomputing(tuple(path for path, _ in self.recomputed))
+
+    def _watch(self, plan: Plan) -> None:
+        """Trim while a CPU step whose plan frees memory runs (NOTE [ Returning memory ], 6)."""
+        every = self.auto.trim_every
+        if every is None or self.device_type != "cpu" or not plan.choices:
+            return
+        if every == "auto":
+            every = max(TRIM_LEAST, plan.activation_bytes * 3 // 4)
+        stats = self.stats
+        self.watch = Watch(int(parse_bytes(every, "tensorstash.Auto", "trim_every")),
+                           lambda: _holding(stats))  # fmt: skip
+        self.watch.start()
 
     def _without_cache(self, root: nn.Module) -> None:
         """Run a Hugging Face model's training forward without its key-value cache.
@@ -613,6 +649,23 @@ _BUDGET_REACHED = Reason(Why.BUDGET_REACHED)
 _PLANNED_KEEP = reason(Why.PLANNED, "plan: keep")
 _OVER_PLAN = reason(Why.OVER_PLAN, "plan: keep")
 _PLANNED = {tier: reason(Why.PLANNED, f"plan: {tier}") for tier in ("host", "compressed", "disk")}
+
+
+def _holding(stats: StashStats) -> bool:
+    """Whether a session still holds saved tensors; read from another thread.
+
+    The kept bytes are the tier's plus the hot path's (``StashStats.fold``
+    moves them), less the kept tensors freed and not yet taken off. A read
+    that races with a fold may be off for one poll: the answer only decides
+    when a ``Watch`` stops.
+    """
+    hot = stats.hot
+    live = hot.live + sum(tier.live_bytes for tier in stats.tiers.values())
+    try:
+        live -= sum(list(hot.released))
+    except RuntimeError:  # the queue changed while copied: ask again next time
+        return True
+    return live > 0
 
 
 def _unused_rule(tensor: Tensor, memory: Memory) -> Policy:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import gc
+import threading
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -440,3 +443,56 @@ def test_auto_plan_does_not_recompile_compiled_blocks_every_step() -> None:
     train(plain, 3)
     train(plain, 4)  # the same seeds as the two runs above
     assert_same_weights(plain, model)
+
+
+def _trim_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "tensorstash-trim"]
+
+
+def _no_trim_thread_within(timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _trim_threads():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def test_auto_trims_in_a_planned_cpu_step_until_its_tensors_are_freed() -> None:
+    model = fresh()
+    budget = activation_bytes(model, data()) // 2
+    profile = ticking()
+    auto = ts.Auto(device_budget=budget, trim_every=1)
+    train(model, 1, auto, profile)  # the first step measures: no plan, no thread
+    assert _no_trim_thread_within()
+    with ts.stash(auto, profile=profile) as session:
+        loss = model(data())
+    assert session.plan is not None and session.plan.choices
+    assert _trim_threads()  # alive while the graph holds saved tensors
+    loss.backward()
+    assert _no_trim_thread_within()
+    with ts.stash(auto, profile=profile):  # a graph dropped without backward
+        loss = model(data())
+    del loss
+    gc.collect()
+    assert _no_trim_thread_within()
+    with pytest.raises(RuntimeError, match="boom"), ts.stash(auto, profile=profile):
+        model(data())
+        raise RuntimeError("boom")
+    gc.collect()
+    assert _no_trim_thread_within()
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+@pytest.mark.filterwarnings("ignore:tensorstash.Auto. device_budget")
+def test_auto_does_not_trim_when_told_not_to_or_when_nothing_moves() -> None:
+    model = fresh()
+    profile = ticking()
+    big = activation_bytes(model, data()) * 4
+    autos = (ts.Auto(device_budget=big, trim_every=1), ts.Auto(device_budget=1, trim_every=None))
+    for auto in autos:
+        sessions = train(model, 2, auto, profile)
+        assert sessions[-1].plan is not None
+        assert not _trim_threads()
+    with pytest.raises(ValueError, match="trim_every must be a positive size"):
+        ts.Auto(trim_every=0)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -15,7 +17,7 @@ import tensorstash as ts
 from tensorstash import _codec
 from tensorstash._buffers import BufferPool
 from tensorstash._layout import Layout, describe, memory, rebuild
-from tensorstash._trim import Trimmer
+from tensorstash._trim import Trimmer, Watch
 from tensorstash.policy import Context, Packed, Spillable
 
 
@@ -196,3 +198,37 @@ def test_trimmer_without_a_release_never_reads_memory() -> None:
 
     Trimmer(16 << 20, release=None, resident=resident).moved()
     Trimmer(None, release=lambda: None, resident=resident).moved()
+
+
+def test_watch_trims_while_the_step_holds_and_stops_when_it_holds_nothing() -> None:
+    memory = FakeMemory()
+    holding = [True]
+    watch = Watch(16 << 20, lambda: holding[0], memory.release, memory.resident, 0.001)
+    watch.start()
+    memory.bytes += 20 << 20
+    _wait_for(lambda: memory.released == 1)
+    memory.bytes -= 30 << 20  # freed: the next growth counts from here
+    _wait_for(lambda: watch.trimmer._base == memory.bytes)
+    memory.bytes += 10 << 20
+    time.sleep(0.02)
+    assert memory.released == 1
+    watch.exited()  # exited, still holding: it goes on
+    time.sleep(0.02)
+    assert watch._thread.is_alive()
+    holding[0] = False
+    watch._thread.join(timeout=5)
+    assert not watch._thread.is_alive()
+
+
+def test_watch_without_a_release_starts_no_thread() -> None:
+    watch = Watch(16 << 20, lambda: True, release=None)
+    watch.start()
+    assert not watch._thread.is_alive()
+    watch.stop()
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
