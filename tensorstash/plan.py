@@ -223,6 +223,8 @@ class _Solver:
     def recomputable(self, path: str, never: Excluded) -> bool:
         if path == self.root or path == "" or never(path) or path not in self.modules:
             return False
+        if self.modules[path].forward_s <= 0:
+            return False  # never timed: its cost is unknown, not free
         if any(_under(bad, path) for bad in self.unsafe):
             return False  # rule 4: it or a module inside it is unsafe
         return not any(_under(path, outer) for outer in self.recomputed)

@@ -607,9 +607,15 @@ class _Step:
         self._calls.append(call)
 
     def left(self, module: nn.Module) -> None:
-        if not self._calls or self._calls[-1].module is not module:
-            return
-        call = self._calls.pop()
+        calls = self._calls
+        if not calls or calls[-1].module is not module:
+            # A call inside this one that never told us it left (its module
+            # stack was reset) is dropped untimed, so this call is still timed.
+            inner = [i for i, call in enumerate(calls) if call.module is module]
+            if not inner:
+                return
+            del calls[inner[-1] + 1 :]
+        call = calls.pop()
         self._timings.append((call.path, call.start, self._timer.mark()))
         record = self.modules[call.path]
         if record.unsafe is None:

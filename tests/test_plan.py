@@ -76,6 +76,11 @@ def test_plan_takes_the_cheapest_saving_per_byte_first() -> None:
     assert plan is not None and plan.recompute == ("b",)
 
 
+def test_plan_never_recomputes_a_module_whose_forward_was_not_timed() -> None:
+    plan = make_plan(two_blocks(cheap_s=0.0, dear_s=0.008), 9 * MiB)
+    assert plan is not None and plan.recompute == ("b",)  # "a" looks free: its cost is unknown
+
+
 def test_plan_prefers_the_earlier_of_equal_modules() -> None:
     plan = make_plan(two_blocks(cheap_s=0.004, dear_s=0.0041), 9 * MiB)
     assert plan is not None and plan.recompute == ("a",)  # equal within noise: the earlier
