@@ -24,7 +24,10 @@
    changes only when a cost moves beyond its noise (see NOTE [ Plan ]).
 6. Module timings cost a few microseconds per module call: they are taken in
    the first ``measure_steps`` steps, again every ``remeasure_every`` steps,
-   and whenever a site's bytes change (another batch shape).
+   and whenever a site's bytes change (another batch shape). The real peak is
+   taken in those steps only, each begun from a heap handed back to the OS
+   (``malloc_trim``): a training loop's warm heap reuses the last step's
+   pages, and its steps would show no growth at all (NOTE [ Real memory ]).
 7. Times come from an injected clock; on CUDA, module and step times are
    taken with events, read once the step's backward has ended.
 """
@@ -42,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tensorstash import _modules
+from tensorstash import _modules, _trim
 from tensorstash._memory import CudaPeak, PeakRss, meter
 from tensorstash.recompute import in_plan_region, is_checkpointed
 
@@ -558,7 +561,11 @@ class _Step:
         self._timings: list[tuple[str, Any, Any]] = []
         self.policy_s = 0.0
         self.excluded = 0.0
-        if profile.measure_memory:
+        if profile.measure_memory and measure:
+            # Rule 6: from a heap handed back to the OS, or a warm heap that
+            # reuses the last step's pages shows a step growing by nothing.
+            if _trim._DEFAULT is not None:
+                _trim._DEFAULT()
             self._meter = PeakRss()
             self._meter.start()
         _modules.observe(self)

@@ -173,11 +173,15 @@ def test_no_grad_and_evaluation_forwards_are_not_steps() -> None:
     assert profile.state_dict() == state
 
 
-def test_profile_measures_the_real_peak_of_a_step() -> None:
-    model, profile = net(), ts.Profile()
+def test_profile_measures_the_real_peak_of_a_step_on_a_warm_heap() -> None:
+    model, profile = net(), ts.Profile(measure_steps=1, remeasure_every=0)
+    for _ in range(2):  # a warm heap: the next step could reuse these pages
+        model(batch(512)).sum().backward()
     step(model, batch(512), profile)
     peak = profile.history[-1].peak_bytes
     assert peak is not None and peak > MiB  # the step's activations, at least
+    step(model, batch(512), profile)
+    assert profile.history[-1].peak_bytes is None  # no module timings, no memory taken
 
 
 def test_lz4_reuses_the_encoding_a_profile_carries_from_the_last_step(
