@@ -30,27 +30,21 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import gc
-import os
-import sys
 import threading
 
 import psutil
 import torch
 
+from tensorstash._trim import release_free_heap, resident_bytes
+
 
 def current_rss() -> int:
     """The process's resident set size in bytes (/proc/self/statm where it exists: cheap)."""
     try:
-        with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * _PAGE
+        return resident_bytes()
     except OSError:
         return int(psutil.Process().memory_info().rss)
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _high_water_rss() -> int | None:
@@ -78,9 +72,7 @@ def _reset_high_water_rss() -> bool:
 def return_free_memory() -> None:
     """Rule 3 of NOTE [ Real memory ]: collect garbage, return glibc's free heap to the OS."""
     gc.collect()
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
+    release_free_heap()
 
 
 class PeakRss:

@@ -55,6 +55,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from collections.abc import Callable
 
 Release = Callable[[], object]
@@ -75,6 +76,12 @@ def malloc_trim() -> Release | None:
 
 
 _DEFAULT: Release | None = malloc_trim()
+
+
+def release_free_heap() -> None:
+    """Hand glibc's free heap back to the OS now; nothing where there is no ``malloc_trim``."""
+    if _DEFAULT is not None:
+        _DEFAULT()
 
 
 def resident_bytes() -> int:
@@ -128,6 +135,13 @@ class Trimmer:
                 self.release()
             self._base = self.resident()
 
+    def freed(self) -> None:
+        """Memory may have been freed: growth counts from the resident set now, if lower."""
+        if self.every is None:
+            return
+        with self._lock:
+            self._base = min(self._base, self.resident())
+
 
 class Watch:
     """A thread that trims while a step runs (rule 6), until ``holding()`` turns False.
@@ -152,7 +166,6 @@ class Watch:
         self.holding = holding
         self.interval_s = interval_s
         self._exited = False
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tensorstash-trim", daemon=True)
 
     def start(self) -> None:
@@ -163,26 +176,11 @@ class Watch:
         """The session exited: stop once its saved tensors are freed."""
         self._exited = True
 
-    def stop(self) -> None:
-        """Stop now (and wait for the thread)."""
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
-
-    @property
-    def calls(self) -> int:
-        return self.trimmer.calls
-
     def _run(self) -> None:
         trimmer = self.trimmer
-        every, release, resident = trimmer.every or 0, trimmer.release, trimmer.resident
-        while not self._stop.wait(self.interval_s):
+        while True:
+            time.sleep(self.interval_s)
             if self._exited and not self.holding():
                 return
-            now = resident()
-            if now < trimmer._base:
-                trimmer._base = now  # memory was freed since: grow from the lower mark
-            elif now - trimmer._base >= every and release is not None:
-                trimmer.calls += 1
-                release()
-                trimmer._base = resident()
+            trimmer.freed()
+            trimmer.moved()

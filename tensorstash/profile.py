@@ -45,8 +45,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tensorstash import _modules, _trim
+from tensorstash import _modules
 from tensorstash._memory import CudaPeak, PeakRss, meter
+from tensorstash._trim import release_free_heap
 from tensorstash.recompute import in_plan_region, is_checkpointed
 
 STATE_VERSION = 2
@@ -564,8 +565,7 @@ class _Step:
         if profile.measure_memory and measure:
             # Rule 6: from a heap handed back to the OS, or a warm heap that
             # reuses the last step's pages shows a step growing by nothing.
-            if _trim._DEFAULT is not None:
-                _trim._DEFAULT()
+            release_free_heap()
             self._meter = PeakRss()
             self._meter.start()
         _modules.observe(self)

@@ -224,7 +224,6 @@ def test_watch_without_a_release_starts_no_thread() -> None:
     watch = Watch(16 << 20, lambda: True, release=None)
     watch.start()
     assert not watch._thread.is_alive()
-    watch.stop()
 
 
 def _wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
