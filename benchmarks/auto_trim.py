@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 import tensorstash as ts
-from tensorstash._memory import PeakRss, return_free_memory
+from tensorstash.bench import HF_GPT2, PeakRss, builtin_workload, return_free_memory
 
 
 def main() -> None:
@@ -35,23 +35,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
-    try:
-        import transformers
-    except ImportError:
-        raise SystemExit("needs transformers: pip install transformers") from None
     warnings.filterwarnings("ignore")
-    transformers.logging.set_verbosity_error()
     torch.set_num_threads(2)
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=4, n_embd=256, n_head=4, vocab_size=2048, n_positions=128,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    model = transformers.GPT2LMHeadModel(config).train()
-    ids = torch.randint(0, 2048, (4, 128), generator=torch.Generator().manual_seed(0))
+    workload = builtin_workload(HF_GPT2, seed=0)  # needs transformers
+    model, batch, checkpointing = workload.model.train(), workload.batch, workload.checkpointing
+    assert checkpointing is not None
 
-    def forward() -> torch.Tensor:
-        return model(input_ids=ids, labels=ids).loss
+    def forward() -> Tensor:
+        loss: Tensor = model(*batch)
+        return loss
 
     with ts.stash(ts.Keep()) as probe:
         loss = forward()
@@ -59,14 +51,11 @@ def main() -> None:
     activation = probe.stats.tiers["kept"].peak_bytes
     budget = int(activation * args.budget)
 
-    def checkpointed() -> torch.Tensor:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        try:
+    def checkpointed() -> Tensor:
+        with checkpointing():
             return forward()
-        finally:
-            model.gradient_checkpointing_disable()
 
-    variants: dict[str, Callable[[], torch.Tensor]] = {"none": forward, "checkpoint": checkpointed}
+    variants: dict[str, Callable[[], Tensor]] = {"none": forward, "checkpoint": checkpointed}
     plans: dict[str, ts.Plan | None] = {}
     for value in args.trim.split(","):
         every = None if value == "none" else value if value == "auto" else int(value) << 20

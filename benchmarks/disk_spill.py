@@ -23,23 +23,20 @@ Run: python benchmarks/disk_spill.py [throughput|memory|all] [--rounds 8]
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import gc
 import os
 import statistics
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import tensorstash as ts
-from tensorstash.bench import builtin_workload
+from tensorstash.bench import HF_GPT2, PeakRss, builtin_workload, return_free_memory
 
 MiB = 1 << 20
 KINDS = {
@@ -114,57 +111,11 @@ def throughput(root: Path, rounds: int) -> dict[str, float]:
 # -- memory -------------------------------------------------------------------------------
 
 
-def _high_water() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("benchmarks: no VmHWM in /proc/self/status")
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _trim() -> None:
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-@contextlib.contextmanager
-def _peak(into: list[int]) -> Iterator[None]:
-    """Peak RSS growth over the block (VmHWM reset at its start)."""
-    _trim()
-    base = _rss()
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
-    yield
-    into.append(_high_water() - base)
-
-
-def _gpt2() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=4, n_embd=256, n_head=4, vocab_size=2048, n_positions=128,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    model = transformers.GPT2LMHeadModel(config)
-    ids = torch.randint(0, 2048, (4, 128), generator=torch.Generator().manual_seed(0))
-    return model, lambda m: m(input_ids=ids, labels=ids).loss
-
-
-def _small() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
-    workload = builtin_workload("small", seed=0)
+def _workload(name: str) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+    """The bench's model called ``name`` ("gpt2" is its gpt2-hf), and its loss."""
+    workload = builtin_workload(HF_GPT2 if name == "gpt2" else name, seed=0)
     batch = workload.batch
     return workload.model, lambda m: m(*batch)
-
-
-MODELS = {"small": _small, "gpt2": _gpt2}
 
 
 def _step(model: torch.nn.Module, loss_of: Callable[..., torch.Tensor], policy: Any) -> float:
@@ -182,7 +133,7 @@ def _step(model: torch.nn.Module, loss_of: Callable[..., torch.Tensor], policy: 
 def memory(root: Path, rounds: int, models: list[str], policies: list[str]) -> None:
     """Step time against no stash and peak RSS growth, per model and policy."""
     for name in models:
-        model, loss_of = MODELS[name]()
+        model, loss_of = _workload(name)
         variants: dict[str, Any] = {"none": lambda: None}
         variants.update({p: (lambda p=p: POLICIES[p](root)) for p in policies})
         for make in variants.values():
@@ -193,8 +144,10 @@ def memory(root: Path, rounds: int, models: list[str], policies: list[str]) -> N
         for index in range(rounds):
             order = list(variants) if index % 2 == 0 else list(reversed(variants))
             for variant in order:
-                with _peak(peaks[variant]):
+                return_free_memory()
+                with PeakRss() as meter:
                     times[variant].append(_step(model, loss_of, variants[variant]()))
+                peaks[variant].append(meter.delta_bytes)
         none_peak = statistics.median(peaks["none"])
         print(f"{name}: {rounds} rounds, medians; step against none of the same round")
         for variant in variants:

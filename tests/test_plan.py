@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from zoo import Block
 
 import tensorstash as ts
 from tensorstash.plan import Rates, make_plan
@@ -174,17 +175,6 @@ def test_plan_learns_what_a_spill_cost_from_a_step_that_spilled() -> None:
 
 
 # -- Auto following the plan ----------------------------------------------------------------
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-        self.drop = nn.Dropout(0.1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x)))))
 
 
 class Net(nn.Module):

@@ -8,23 +8,11 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from zoo import Block
 
 import tensorstash as ts
 
 MiB = 1 << 20
-
-
-class Block(nn.Module):
-    """A residual MLP block with dropout."""
-
-    def __init__(self, width: int = 256) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-        self.drop = nn.Dropout(0.1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x)))))
 
 
 class Net(nn.Module):

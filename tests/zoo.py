@@ -106,6 +106,19 @@ class Cnn(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
+class Block(nn.Module):
+    """A residual MLP block with dropout: the unit the profile and plan tests time and recompute."""
+
+    def __init__(self, width: int = 256) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.norm(x)))))
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm attention block: layernorm, SDPA with dropout, GELU MLP, dropout."""
 
