@@ -288,6 +288,14 @@ def run_ranks(
     return [torch.load(directory / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
+def rank_results(ranks: list[dict[str, Any]], key: Any) -> list[Any]:
+    """Each rank's result under ``key``, failing the test where a rank saved a traceback instead."""
+    found = [rank[key] for rank in ranks]
+    for rank, result in enumerate(found):
+        assert not isinstance(result, str), f"{key} failed on rank {rank}:\n{result}"
+    return found
+
+
 # -- leaks ------------------------------------------------------------------------------
 
 

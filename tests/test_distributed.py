@@ -21,7 +21,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import zoo
-from checks import GradMap, assert_grads_equal, files_under, leak_check, run_ranks
+from checks import (
+    GradMap,
+    assert_grads_equal,
+    files_under,
+    leak_check,
+    rank_results,
+    run_ranks,
+)
 from torch import Tensor, nn
 
 import tensorstash as ts
@@ -216,10 +223,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[dict[st
 
 
 def _mode(job: tuple[list[dict[str, Any]], Path], mode: str) -> list[dict[str, Any]]:
-    results = [rank[mode] for rank in job[0]]
-    for rank, result in enumerate(results):
-        assert not isinstance(result, str), f"{mode} failed on rank {rank}:\n{result}"
-    return results
+    return rank_results(job[0], mode)
 
 
 # -- gradients -----------------------------------------------------------------------

@@ -31,6 +31,7 @@ from checks import (
     GradMap,
     assert_grads_equal,
     leak_check,
+    rank_results,
     readme_snippet,
     run_ranks,
 )
@@ -464,10 +465,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 def _results(job: list[dict[str, Any]], key: Any, group: str | None = None) -> list[Any]:
-    found = [rank[key] if group is None else rank[group][key] for rank in job]
-    for rank, result in enumerate(found):
-        assert not isinstance(result, str), f"{key} failed on rank {rank}:\n{result}"
-    return found
+    return rank_results(job if group is None else [rank[group] for rank in job], key)
 
 
 # -- gradients and what went where ---------------------------------------------------------
