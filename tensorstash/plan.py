@@ -23,12 +23,12 @@
    below the largest tensor (a session holds the tensor it packs): the plan
    takes every saving, and ``reachable_bytes`` says the smallest budget it can hold.
 6. Predictions come from the measured steps (their medians, NOTE [ Profile ]
-   rule 5): the step time with nothing recomputed or moved is the measured
-   time less what the measured step's own plan cost; the new plan adds its
-   costs. The real peak is the measured peak less the eligible bytes held at
-   its moment, plus the new plan's: the held bytes when forward ends, or more
-   while backward recomputes a module (the tensors saved before it are still
-   held, and its own are made again).
+   rules 5 and 6, warm steps once there are): the step time with nothing
+   recomputed or moved is the measured time less what the measured step's own
+   plan cost; the new plan adds its costs. The real peak is the last measured
+   peak less the eligible bytes held at its moment, plus the new plan's: the
+   held bytes when forward ends, or more while backward recomputes a module
+   (the tensors saved before it are still held, and its own are made again).
 """
 
 from __future__ import annotations
@@ -334,8 +334,11 @@ class _Solver:
         base = self.base_s
         predicted = base + sum(choice.cost_s for choice in choices)
         peak = None
-        if step.peak_bytes is not None:
-            other = step.peak_bytes - self._effective_held(step.recomputed, step.held_bytes)
+        measured = self.profile.peak  # the last step that took the real peak
+        if measured is not None and measured.peak_bytes is not None:
+            other = measured.peak_bytes - self._effective_held(
+                measured.recomputed, measured.held_bytes
+            )
             peak = max(0, other + self._effective_held(recompute, held))
         return Plan(
             budget=self.budget,
@@ -353,15 +356,19 @@ class _Solver:
     def calibrate(self) -> None:
         """Rule 6: the step time with nothing moved, and what moving a byte cost, from the steps.
 
-        The base is the median over the measured steps that moved nothing of
-        their time less the forward time of what they recomputed (or, before
+        The base is the median over the measured steps that moved nothing
+        (warm ones, once there are) of their time less the forward time of
+        what they recomputed (or, before
         such a step, of the last steps less the time spent in policies). A step
         that moved bytes to one tier gives that tier's cost per byte: its time
         over the base, less its recompute, per byte moved (on the CPU, the host
         tier is lz4's; copies to a CUDA device's host keep the link's speed).
         """
-        steps = list(self.profile.history)
-        clean = [s.seconds - self._cost_of(s.recomputed) for s in steps if not s.moved]
+        history = list(self.profile.history)
+        steps = [s for s in history if not s.cold] or history  # warm ones: NOTE [ Profile ] 6
+        clean = [s.seconds - self._cost_of(s.recomputed) for s in steps if not s.moved] or [
+            s.seconds - self._cost_of(s.recomputed) for s in history if not s.moved
+        ]
         if clean:
             self.base_s = statistics.median(clean)
         else:

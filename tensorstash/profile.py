@@ -23,11 +23,16 @@
 5. A plan is made from the medians of the last few steps (``history``), so it
    changes only when a cost moves beyond its noise (see NOTE [ Plan ]).
 6. Module timings cost a few microseconds per module call: they are taken in
-   the first ``measure_steps`` steps, again every ``remeasure_every`` steps,
-   and whenever a site's bytes change (another batch shape). The real peak is
-   taken in those steps only, each begun from a heap handed back to the OS
-   (``malloc_trim``): a training loop's warm heap reuses the last step's
-   pages, and its steps would show no growth at all (NOTE [ Real memory ]).
+   the first ``measure_steps`` steps, again in two steps every
+   ``remeasure_every`` steps, and in the two steps after a site's bytes change
+   (another batch shape). The real peak is taken in the first step of each
+   such run only, begun from a heap handed back to the OS (``malloc_trim``):
+   a training loop's warm heap reuses the last step's pages, and its steps
+   would show no growth at all (NOTE [ Real memory ]). That step is cold:
+   every page it touches is faulted in again, which made a module's forward
+   time 2-3x what it is in training (HF GPT-2, 4 layers, d=256: a block 25 ms
+   against 12 ms, its GELU 8 ms against 2.7 ms) and a step 1.5-2x. Its times
+   count only until a warm step measured the same thing.
 7. Times come from an injected clock; on CUDA, module and step times are
    taken with events, read once the step's backward has ended.
 """
@@ -50,7 +55,7 @@ from tensorstash._memory import CudaPeak, PeakRss, meter
 from tensorstash._trim import release_free_heap
 from tensorstash.recompute import in_plan_region, is_checkpointed
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 """The format of :meth:`Profile.state_dict`."""
 
 HISTORY = 5
@@ -114,6 +119,8 @@ class StepRecord:
         recomputed: the modules the plan recomputed in it.
         policy_s: seconds the step spent in policies and waiting for them.
         moved: original bytes moved off the device, per tier ("host", "disk").
+        cold: it began from a heap handed back to the OS, to take the real
+            peak; its times are not those of training (rule 6).
     """
 
     forward_s: float
@@ -123,6 +130,7 @@ class StepRecord:
     recomputed: tuple[str, ...] = ()
     policy_s: float = 0.0
     moved: dict[str, int] = field(default_factory=dict)
+    cold: bool = False
 
     @property
     def seconds(self) -> float:
@@ -194,16 +202,18 @@ class Profile:
     stalls: set[Site] = field(default_factory=set)
     modules: dict[str, ModuleRecord] = field(default_factory=dict)
     history: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=HISTORY))
-    module_history: deque[dict[str, ModuleRecord]] = field(
+    module_history: deque[tuple[bool, dict[str, ModuleRecord]]] = field(
         default_factory=lambda: deque(maxlen=HISTORY)
     )
+    peak: StepRecord | None = None
     codec_methods: dict[tuple[Any, ...], str] = field(default_factory=dict)
     _seen: Counter[tuple[Any, ...]] = field(default_factory=Counter)
     _step: _Step | None = None
     _objects: dict[str, weakref.ref[nn.Module]] = field(default_factory=dict)
     _root: weakref.ref[nn.Module] | None = None
     _root_name: str | None = None
-    _remeasure: bool = False
+    _remeasure: int = 0
+    _measured_last: bool = False
     _revision: int = 0
     _plans: dict[Any, tuple[int, int, Any]] = field(default_factory=dict)
     _warned: set[int] = field(default_factory=set)
@@ -230,16 +240,19 @@ class Profile:
             return None
         self._seen.clear()
         self.current = {}
-        step = _Step(self, ctx, min_bytes, measure=self._measures())
+        measure = self._measures()
+        cold = measure and not self._measured_last  # the first of a run (rule 6)
+        self._measured_last = measure
+        step = _Step(self, ctx, min_bytes, measure=measure, cold=cold)
         self._step = step
         return step
 
     def _measures(self) -> bool:
         if self.steps < self.measure_steps or not self.modules or self._remeasure:
-            self._remeasure = False
+            self._remeasure = max(self._remeasure - 1, 0)
             return True
         every = self.remeasure_every
-        return bool(every) and self.steps % every == 0
+        return bool(every) and self.steps % every in (0, 1)
 
     def _finished(self, step: _Step, record: StepRecord | None) -> None:
         """A step's backward ended (or it was not a step: ``record`` is None)."""
@@ -265,12 +278,14 @@ class Profile:
             elif rec.offloaded:
                 self.stalls.discard(site)
         self.history.append(record)
+        if record.peak_bytes is not None:
+            self.peak = record
         if step.modules:
             measured = {path: rec for path, rec in step.modules.items() if rec.calls}
-            self.module_history.append(measured)
+            self.module_history.append((record.cold, measured))
             self.modules = _median_modules(self.module_history)
         if resized:
-            self._remeasure = True  # rule 6: measure the new shapes
+            self._remeasure = 2  # rule 6: measure the new shapes
         if resized or step.measure:
             self._revision += 1  # the plan is made again (rule 5)
 
@@ -362,6 +377,7 @@ class Profile:
             "sites": sites,
             "modules": [{"path": path, **_module_row(rec)} for path, rec in self.modules.items()],
             "history": [_step_row(rec) for rec in self.history],
+            "peak": None if self.peak is None else _step_row(self.peak),
             "codec_methods": methods,
         }
 
@@ -389,8 +405,9 @@ class Profile:
                 stalls.add(site)
         self.steps, self.last, self.current, self.stalls = int(state["steps"]), last, {}, stalls
         self.modules = {row["path"]: _module_record(row) for row in state["modules"]}
-        self.module_history = deque([dict(self.modules)], maxlen=HISTORY)
+        self.module_history = deque([(False, dict(self.modules))], maxlen=HISTORY)
         self.history = deque((_step_record(row) for row in state["history"]), maxlen=HISTORY)
+        self.peak = None if state["peak"] is None else _step_record(state["peak"])
         self.codec_methods = {
             (op, getattr(torch, dtype), tuple(shape), tuple(stride)): method
             for op, dtype, shape, stride, method in state["codec_methods"]
@@ -433,17 +450,21 @@ class Profile:
         return True
 
     def measured(self) -> StepRecord | None:
-        """The medians of the last steps with the plan of the last step (rule 5)."""
+        """The medians of the last steps with the plan of the last step (rule 5).
+
+        Warm steps only, once there is one (rule 6). The real peak is not
+        among them: it is :attr:`peak`'s, the last step that took it.
+        """
         if not self.history:
             return None
         recomputed = self.history[-1].recomputed
         same = [rec for rec in self.history if rec.recomputed == recomputed]
-        peaks = [rec.peak_bytes for rec in same if rec.peak_bytes is not None]
+        same = [rec for rec in same if not rec.cold] or same
         return StepRecord(
             forward_s=statistics.median(rec.forward_s for rec in same),
             backward_s=statistics.median(rec.backward_s for rec in same),
             held_bytes=int(statistics.median(rec.held_bytes for rec in same)),
-            peak_bytes=int(statistics.median(peaks)) if peaks else None,
+            peak_bytes=None,
             recomputed=recomputed,
             policy_s=statistics.median(rec.policy_s for rec in same),
             moved=same[-1].moved,
@@ -454,16 +475,20 @@ def _inside(path: str, modules: tuple[str, ...]) -> bool:
     return any(path == m or path.startswith(m + ".") for m in modules)
 
 
-def _median_modules(steps: deque[dict[str, ModuleRecord]]) -> dict[str, ModuleRecord]:
-    """Each module's median over the steps that measured it (rule 5); unsafe once, unsafe."""
-    paths = {path for step in steps for path in step}
+def _median_modules(
+    steps: deque[tuple[bool, dict[str, ModuleRecord]]],
+) -> dict[str, ModuleRecord]:
+    """Each module's median over the steps that measured it (rule 5), warm ones once
+    there are (rule 6); unsafe once, unsafe."""
+    paths = {path for _, step in steps for path in step}
     merged: dict[str, ModuleRecord] = {}
     for path in paths:
-        records = [step[path] for step in steps if path in step]
+        records = [step[path] for _, step in steps if path in step]
+        warm = [step[path] for cold, step in steps if path in step and not cold]
         latest = records[-1]
         merged[path] = ModuleRecord(
             calls=latest.calls,
-            forward_s=statistics.median(rec.forward_s for rec in records),
+            forward_s=statistics.median(rec.forward_s for rec in warm or records),
             input_bytes=latest.input_bytes,
             first_order=latest.first_order,
             unsafe=next((rec.unsafe for rec in records if rec.unsafe), None),
@@ -503,6 +528,7 @@ def _step_row(record: StepRecord) -> dict[str, Any]:
         "recomputed": list(record.recomputed),
         "policy_s": record.policy_s,
         "moved": dict(record.moved),
+        "cold": record.cold,
     }
 
 
@@ -515,6 +541,7 @@ def _step_record(row: dict[str, Any]) -> StepRecord:
         tuple(row["recomputed"]),
         float(row["policy_s"]),
         {str(tier): int(n) for tier, n in row["moved"].items()},
+        bool(row["cold"]),
     )
 
 
@@ -542,11 +569,14 @@ class _Step:
     closes the step.
     """
 
-    def __init__(self, profile: Profile, ctx: Any, min_bytes: int, *, measure: bool) -> None:
+    def __init__(
+        self, profile: Profile, ctx: Any, min_bytes: int, *, measure: bool, cold: bool
+    ) -> None:
         self.profile = profile
         self.ctx = ctx
         self.min_bytes = min_bytes
         self.measure = measure
+        self.cold = cold and profile.measure_memory
         self.modules: dict[str, ModuleRecord] = {}
         self.recomputed: tuple[str, ...] = ()
         self.training: bool | None = None
@@ -562,7 +592,7 @@ class _Step:
         self._timings: list[tuple[str, Any, Any]] = []
         self.policy_s = 0.0
         self.excluded = 0.0
-        if profile.measure_memory and measure:
+        if self.cold:
             # Rule 6: from a heap handed back to the OS, or a warm heap that
             # reuses the last step's pages shows a step growing by nothing.
             release_free_heap()
@@ -680,6 +710,7 @@ class _Step:
             recomputed=self.recomputed,
             policy_s=self.policy_s,
             moved={tier: nbytes for tier, nbytes in moved.items() if nbytes},
+            cold=self.cold,
         )
         self.profile._finished(self, record)
 

@@ -172,6 +172,52 @@ def test_profile_measures_the_real_peak_of_a_step_on_a_warm_heap() -> None:
     assert profile.history[-1].peak_bytes is None  # no module timings, no memory taken
 
 
+def test_profile_takes_the_peak_in_the_first_step_of_a_run_and_times_the_warm_ones() -> None:
+    model, profile = net(), ts.Profile(measure_steps=3, remeasure_every=5)
+    colds = []
+    for _ in range(7):
+        step(model, batch(), profile)
+        last = profile.history[-1]
+        colds.append(last.cold)
+        assert (last.peak_bytes is not None) == last.cold
+    # Steps 0-2 time modules, 3-4 do not, 5-6 do again: the first of each run is cold.
+    assert colds == [True, False, False, False, False, True, False]
+    assert profile.peak is profile.history[-2]  # the last step that took the peak
+    assert len(profile.module_history) == 5
+    assert [cold for cold, _ in profile.module_history] == [True, False, False, True, False]
+
+
+def test_profile_module_times_from_a_cold_step_count_only_until_a_warm_one() -> None:
+    from collections import deque
+
+    from tensorstash.profile import ModuleRecord, _median_modules
+
+    def timed(seconds: float) -> dict[str, ModuleRecord]:
+        return {"a": ModuleRecord(calls=1, forward_s=seconds)}
+
+    history: deque[tuple[bool, dict[str, ModuleRecord]]] = deque([(True, timed(0.03))])
+    assert _median_modules(history)["a"].forward_s == 0.03  # nothing better yet
+    history.append((False, timed(0.01)))
+    assert _median_modules(history)["a"].forward_s == 0.01  # faulted pages left out
+    history.append((True, timed(0.05)))
+    history.append((False, timed(0.02)))
+    assert _median_modules(history)["a"].forward_s == pytest.approx(0.015)
+
+
+def test_profile_measures_both_steps_after_a_batch_of_another_shape() -> None:
+    model, profile = net(), ts.Profile(measure_steps=1, remeasure_every=0)
+    for _ in range(2):
+        step(model, batch(128), profile)
+    assert not profile._measures()
+    step(model, batch(64), profile)  # another shape: two steps measure again
+    colds = []
+    for _ in range(3):
+        step(model, batch(64), profile)
+        colds.append((profile.history[-1].cold, profile.history[-1].peak_bytes is not None))
+    assert colds == [(True, True), (False, False), (False, False)]
+    assert len(profile.module_history) == 3  # the first step, then the two after the change
+
+
 def test_lz4_reuses_the_encoding_a_profile_carries_from_the_last_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -200,6 +246,7 @@ def test_profile_state_dict_round_trips_and_plans_alike() -> None:
     fresh = ts.Profile()
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
+    assert fresh.peak == profile.peak and fresh.peak is not None and fresh.peak.cold
     budget = profile.history[-1].held_bytes // 2
     before = ts.plan.make_plan(profile, budget)
     after = ts.plan.make_plan(fresh, budget)
