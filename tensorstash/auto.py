@@ -479,7 +479,7 @@ class _AutoState:
         profile = self.profile
         for path in paths:
             module = profile.module(path)
-            if module is not None and wrap_for_plan(module):
+            if module is not None and wrap_for_plan(module, profile.clock):
                 self.recomputed.append((path, module))
         profile.recomputing(tuple(path for path, _ in self.recomputed))
 

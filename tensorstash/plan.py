@@ -6,7 +6,14 @@
    and tensors under ``min_bytes``. "Activation bytes" are those of one step.
 2. A run whose activation bytes fit costs nothing: the plan keeps every site.
 3. Otherwise each way to save bytes has a cost in step time, and the plan takes
-   the cheapest saving per byte first until the held bytes fit:
+   the cheapest saving per byte first until the held bytes fit. A saving's
+   bytes are those it takes off the peak held: the most of the bytes held when
+   forward ends and while backward recomputes each module chosen (what was
+   saved before it and is still held, its inputs, and all it saves again).
+   Recomputing the last block, or a whole model's body, takes nothing off
+   that peak: backward reaches it while everything before it is still held
+   (on HF GPT-2 the plan recomputed ``model.transformer``, and its step's real
+   peak was no stash's). Once no saving lowers the peak, the held bytes count:
    - recomputing a module saves the bytes saved inside it, less its inputs
      (which its region keeps), and costs its forward time; a module inside one
      already chosen is not counted twice, and choosing a module replaces the
@@ -25,7 +32,10 @@
 6. Predictions come from the measured steps (their medians, NOTE [ Profile ]
    rules 5 and 6, warm steps once there are): the step time with nothing
    recomputed or moved is the measured time less what the measured step's own
-   plan cost; the new plan adds its costs. The real peak is the last measured
+   plan cost (its recompute as timed in its backward: NOTE [ Recompute ]
+   rule 7); the new plan adds its costs, a module's recompute at its forward
+   time scaled by the median of timed over forward seconds in those steps.
+   The real peak is the last measured
    peak less the eligible bytes held at its moment, plus the new plan's: the
    held bytes when forward ends, or more while backward recomputes a module
    (the tensors saved before it are still held, and its own are made again).
@@ -199,6 +209,7 @@ class _Solver:
         self.moved: dict[Site, Choice] = {}
         self.unsafe = {path for path, record in self.modules.items() if record.unsafe}
         self.base_s = 0.0
+        self.recompute_factor = 1.0
 
     # What a module holds --------------------------------------------------------------
 
@@ -209,7 +220,7 @@ class _Solver:
         """Bytes and seconds that recomputing ``path`` adds to the choices taken so far."""
         record = self.modules[path]
         saved = sum(self.sites[site].nbytes for site in self.inside(path)) - record.input_bytes
-        cost = record.forward_s
+        cost = record.forward_s * self.recompute_factor
         for inner, choice in self.recomputed.items():
             if _under(inner, path):
                 saved -= choice.saved_bytes
@@ -272,21 +283,80 @@ class _Solver:
         return "disk", nbytes, disk_cost
 
     def options(self, recompute: bool, never: Excluded) -> list[_Option]:
-        """Every saving still open, with what it adds to the choices taken so far."""
-        found: list[_Option] = []
+        """Every saving still open, valued by how far it lowers the peak held (rule 3).
+
+        The peak held is the most of the held bytes when forward ends and
+        while backward recomputes each module chosen. A saving is worth the
+        bytes it takes off that peak, at most the bytes it takes off the held
+        ones: recomputing a whole model holds as much again while backward
+        recomputes it. Once no saving lowers the peak, each is worth the
+        held bytes it saves, which the budget is about.
+        """
+        peaks = self.region_peaks()
+        now = max([self.held, *peaks.values()])
+        found: list[tuple[_Option, int]] = []
         if recompute:
             for path, record in self.modules.items():
-                if self.recomputable(path, never):
-                    saved, cost = self.recompute_saving(path)
-                    if saved > 0:
-                        found.append(_Option(cost, saved, record.first_order, "recompute", path))
+                if not self.recomputable(path, never):
+                    continue
+                saved, cost = self.recompute_saving(path)
+                first = record.first_order
+                own = self.before(first) + record.input_bytes + self.inside_bytes(path)
+                others = [
+                    peak - saved if self.modules[r].first_order > first else peak
+                    for r, peak in peaks.items()
+                    if not _under(r, path)
+                ]
+                lowered = now - max([self.held - saved, own, *others])
+                if saved > 0:
+                    found.append((_Option(cost, saved, first, "recompute", path), lowered))
         for site, site_record in self.sites.items():
             if site in self.moved or any(_under(site[0], m) for m in self.recomputed):
                 continue
             tier, saved, cost = self.move_option(site)
+            order = site_record.order
+            others = [
+                peak - saved if self.modules[r].first_order > order else peak
+                for r, peak in peaks.items()
+            ]
+            lowered = now - max([self.held - saved, *others])
             if saved > 0:
-                found.append(_Option(cost, saved, site_record.order, tier, site))
-        return found
+                found.append((_Option(cost, saved, order, tier, site), lowered))
+        if any(lowered > 0 for _, lowered in found):
+            return [
+                dataclasses.replace(option, saved=min(option.saved, lowered))
+                for option, lowered in found
+                if lowered > 0
+            ]
+        return [option for option, _ in found]
+
+    # The peak held (rule 3) --------------------------------------------------------------
+
+    def region_peaks(self) -> dict[str, int]:
+        """Bytes held while backward recomputes each module chosen: what was saved
+        before it and is still held, its inputs, and everything saved inside it."""
+        return {
+            path: self.before(self.modules[path].first_order)
+            + self.modules[path].input_bytes
+            + self.inside_bytes(path)
+            for path in self.recomputed
+        }
+
+    def before(self, order: int) -> int:
+        """Bytes held for sites saved before ``order``, and inputs of regions begun before it."""
+        held = 0
+        for site, record in self.sites.items():
+            if record.order >= order or any(_under(site[0], m) for m in self.recomputed):
+                continue
+            moved = self.moved.get(site)
+            held += record.nbytes - (moved.saved_bytes if moved is not None else 0)
+        for path in self.recomputed:
+            if self.modules[path].first_order < order:
+                held += self.modules[path].input_bytes
+        return held
+
+    def inside_bytes(self, path: str) -> int:
+        return sum(self.sites[site].nbytes for site in self.inside(path))
 
     def take_cheapest(self, recompute: bool, never: Excluded) -> None:
         """Rule 3: the cheapest saving per byte first, until the held bytes fit.
@@ -363,23 +433,33 @@ class _Solver:
         that moved bytes to one tier gives that tier's cost per byte: its time
         over the base, less its recompute, per byte moved (on the CPU, the host
         tier is lz4's; copies to a CUDA device's host keep the link's speed).
+        Steps whose backward timed its recompute give what a second of forward
+        costs when recomputed (``recompute_factor``).
         """
         history = list(self.profile.history)
         steps = [s for s in history if not s.cold] or history  # warm ones: NOTE [ Profile ] 6
-        clean = [s.seconds - self._cost_of(s.recomputed) for s in steps if not s.moved] or [
-            s.seconds - self._cost_of(s.recomputed) for s in history if not s.moved
+        timed = [
+            (s.recompute_s, self._forward_of(s.recomputed))
+            for s in steps
+            if s.recompute_s is not None and self._forward_of(s.recomputed) > 0
+        ]
+        if timed:
+            factor = statistics.median(taken / forward for taken, forward in timed)
+            self.recompute_factor = min(max(factor, 1 / CALIBRATION_SPREAD), CALIBRATION_SPREAD)
+        clean = [s.seconds - self._cost_of(s) for s in steps if not s.moved] or [
+            s.seconds - self._cost_of(s) for s in history if not s.moved
         ]
         if clean:
             self.base_s = statistics.median(clean)
         else:
             self.base_s = statistics.median(
-                s.seconds - s.policy_s - self._cost_of(s.recomputed) for s in steps[-3:]
+                s.seconds - s.policy_s - self._cost_of(s) for s in steps[-3:]
             )
         per_byte: dict[str, list[float]] = {}
         for s in steps:
             if len(s.moved) == 1:
                 ((tier, nbytes),) = s.moved.items()
-                extra = s.seconds - self.base_s - self._cost_of(s.recomputed)
+                extra = s.seconds - self.base_s - self._cost_of(s)
                 per_byte.setdefault(tier, []).append(max(extra, 0.0) / nbytes)
         changes: dict[str, float] = {}
         # A step's time cannot show a byte moved for much less than a probe took:
@@ -402,10 +482,16 @@ class _Solver:
         largest = max((record.nbytes for record in self.sites.values()), default=0)
         return max(other.held, largest)
 
-    def _cost_of(self, recomputed: tuple[str, ...]) -> float:
+    def _forward_of(self, recomputed: tuple[str, ...]) -> float:
         """Forward seconds of the modules a step recomputed (none inside another)."""
         outer = [p for p in recomputed if not any(_under(p, o) and p != o for o in recomputed)]
         return sum(self.modules[p].forward_s for p in outer if p in self.modules)
+
+    def _cost_of(self, step: StepRecord) -> float:
+        """What recomputing cost ``step``: as timed in its backward, or as the model says."""
+        if step.recompute_s is not None:
+            return step.recompute_s
+        return self._forward_of(step.recomputed) * self.recompute_factor
 
     def _effective_held(self, recomputed: tuple[str, ...], held: int) -> int:
         """Rule 6: the held bytes at the peak: when forward ends, or while backward recomputes."""

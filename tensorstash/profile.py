@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from tensorstash import _modules
 from tensorstash._memory import CudaPeak, PeakRss, meter
 from tensorstash._trim import release_free_heap
-from tensorstash.recompute import in_plan_region, is_checkpointed
+from tensorstash.recompute import in_plan_region, is_checkpointed, take_recompute_seconds
 
 STATE_VERSION = 3
 """The format of :meth:`Profile.state_dict`."""
@@ -121,6 +121,8 @@ class StepRecord:
         moved: original bytes moved off the device, per tier ("host", "disk").
         cold: it began from a heap handed back to the OS, to take the real
             peak; its times are not those of training (rule 6).
+        recompute_s: seconds backward spent recomputing the plan's modules,
+            or None where they were not timed (NOTE [ Recompute ] rule 7).
     """
 
     forward_s: float
@@ -131,6 +133,7 @@ class StepRecord:
     policy_s: float = 0.0
     moved: dict[str, int] = field(default_factory=dict)
     cold: bool = False
+    recompute_s: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -436,6 +439,8 @@ class Profile:
         """The plan recomputes ``paths`` in the step being measured (rule 4)."""
         if self._step is not None:
             self._step.recomputed = paths
+            # Seconds left from a step whose backward never ended are not this step's.
+            take_recompute_seconds(m for m in map(self.module, paths) if m is not None)
 
     def exclude(self, seconds: float) -> None:
         """Leave ``seconds`` spent now (one-time set-up) out of the step's forward time."""
@@ -529,6 +534,7 @@ def _step_row(record: StepRecord) -> dict[str, Any]:
         "policy_s": record.policy_s,
         "moved": dict(record.moved),
         "cold": record.cold,
+        "recompute_s": record.recompute_s,
     }
 
 
@@ -542,6 +548,7 @@ def _step_record(row: dict[str, Any]) -> StepRecord:
         float(row["policy_s"]),
         {str(tier): int(n) for tier, n in row["moved"].items()},
         bool(row["cold"]),
+        None if row["recompute_s"] is None else float(row["recompute_s"]),
     )
 
 
@@ -702,6 +709,8 @@ class _Step:
         timer = self._timer
         for path, start, stop in self._timings:
             self.modules[path].forward_s += timer.seconds(start, stop)
+        recomputed = [self.profile.module(path) for path in self.recomputed]
+        recompute_s = take_recompute_seconds(m for m in recomputed if m is not None)
         record = StepRecord(
             forward_s=timer.seconds(self._begun, self._forward_end) - self.excluded,
             backward_s=timer.seconds(self._forward_end, end),
@@ -711,6 +720,7 @@ class _Step:
             policy_s=self.policy_s,
             moved={tier: nbytes for tier, nbytes in moved.items() if nbytes},
             cold=self.cold,
+            recompute_s=recompute_s,
         )
         self.profile._finished(self, record)
 

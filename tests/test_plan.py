@@ -63,6 +63,15 @@ def two_blocks(cheap_s: float = 0.002, dear_s: float = 0.008) -> ts.Profile:
     )
 
 
+def three_blocks(a_s: float, b_s: float, c_s: float = 0.008) -> ts.Profile:
+    """Blocks a, b, c of 8 MiB each: recomputing a or b lowers the peak held, c (the last)
+    cannot, for backward reaches it while everything before it is still held."""
+    return profile_of(
+        {"a": (a_s, MiB), "b": (b_s, MiB), "c": (c_s, MiB)},
+        {name: [4 * MiB, 4 * MiB] for name in "abc"},
+    )
+
+
 def test_plan_keeps_everything_when_the_activations_fit() -> None:
     plan = make_plan(two_blocks(), 64 * MiB)
     assert plan is not None
@@ -75,12 +84,27 @@ def test_plan_takes_the_cheapest_saving_per_byte_first() -> None:
     plan = make_plan(two_blocks(cheap_s=0.002, dear_s=0.008), 9 * MiB)
     assert plan is not None and plan.recompute == ("a",)
     assert plan.held_bytes == 9 * MiB  # 16 MiB less "a"'s 8 MiB, plus its 1 MiB input
-    plan = make_plan(two_blocks(cheap_s=0.008, dear_s=0.002), 9 * MiB)
+    plan = make_plan(three_blocks(0.008, 0.002), 17 * MiB)
     assert plan is not None and plan.recompute == ("b",)
 
 
+def test_plan_never_recomputes_what_backward_would_hold_again() -> None:
+    # "b" is cheap, but backward recomputes it while "a"'s 8 MiB are still held:
+    # 17 MiB, more than nothing recomputed holds. Only "a" lowers the peak.
+    plan = make_plan(two_blocks(cheap_s=0.008, dear_s=0.002), 9 * MiB)
+    assert plan is not None and plan.recompute == ("a",)
+    # A whole model's body is cheap per byte and holds everything again in backward.
+    profile = profile_of(
+        {"t": (0.010, MiB), "t.0": (0.006, MiB), "t.1": (0.006, MiB), "t.2": (0.006, MiB)},
+        {"t.0": [8 * MiB], "t.1": [8 * MiB], "t.2": [8 * MiB]},
+    )
+    plan = make_plan(profile, 10 * MiB)
+    assert plan is not None and plan.recompute == ("t.0", "t.1")
+    assert plan.held_bytes == 10 * MiB  # 24 MiB less 7 MiB twice
+
+
 def test_plan_never_recomputes_a_module_whose_forward_was_not_timed() -> None:
-    plan = make_plan(two_blocks(cheap_s=0.0, dear_s=0.008), 9 * MiB)
+    plan = make_plan(three_blocks(0.0, 0.008), 17 * MiB)
     assert plan is not None and plan.recompute == ("b",)  # "a" looks free: its cost is unknown
 
 
@@ -104,7 +128,7 @@ def test_plan_recomputing_a_module_replaces_the_choices_inside_it() -> None:
 def test_plan_takes_one_saving_that_covers_what_is_left() -> None:
     profile = profile_of(
         {"a": (0.002, MiB), "b": (0.002, MiB), "c": (0.0005, 0)},
-        {"a": [8 * MiB], "b": [8 * MiB], "c": [MiB]},
+        {"a": [8 * MiB], "c": [MiB], "b": [8 * MiB]},
     )
     # 17 MiB held, 16.5 allowed: "c" covers the half MiB left, cheaper than a block.
     plan = make_plan(profile, 16 * MiB + MiB // 2)
@@ -113,16 +137,16 @@ def test_plan_takes_one_saving_that_covers_what_is_left() -> None:
 
 def test_plan_never_recomputes_unsafe_modules_nor_modules_around_them() -> None:
     profile = profile_of(
-        {"a": (0.002, MiB), "a.bn": (0.0002, 0), "b": (0.008, MiB)},
-        {"a.bn": [8 * MiB], "b": [8 * MiB]},
+        {"a": (0.002, MiB), "a.bn": (0.0002, 0), "b": (0.008, MiB), "c": (0.008, MiB)},
+        {"a.bn": [8 * MiB], "b": [8 * MiB], "c": [8 * MiB]},
         unsafe={"a.bn": "changes its buffers in forward"},
     )
-    plan = make_plan(profile, 9 * MiB)
+    plan = make_plan(profile, 17 * MiB)
     assert plan is not None and plan.recompute == ("b",)
 
 
 def test_plan_follows_never_and_always() -> None:
-    plan = make_plan(two_blocks(), 9 * MiB, never=lambda path: path == "a")
+    plan = make_plan(three_blocks(0.002, 0.008), 17 * MiB, never=lambda path: path == "a")
     assert plan is not None and plan.recompute == ("b",)
     plan = make_plan(two_blocks(), 64 * MiB, always=["b"])
     assert plan is not None and plan.recompute == ("b",)
@@ -174,6 +198,22 @@ def test_plan_learns_what_a_spill_cost_from_a_step_that_spilled() -> None:
     plan = make_plan(profile, 9 * MiB, recompute=False, rates=Rates(ratio=1.0))
     assert plan is not None
     assert plan.predicted_step_s == pytest.approx(1.0 + 0.4, rel=1e-6)
+
+
+def test_plan_costs_recompute_at_what_backward_took_to_recompute() -> None:
+    profile = two_blocks(cheap_s=0.002, dear_s=0.008)
+    # A warm step recomputed "a" (0.002 s of forward) and backward took 0.001 s to do it.
+    profile.history.append(StepRecord(0.4, 0.601, 9 * MiB, None, ("a",), recompute_s=0.001))
+    plan = make_plan(profile, 9 * MiB)
+    assert plan is not None and plan.recompute == ("a",)
+    assert plan.base_step_s == pytest.approx(1.0)  # 1.001 s less the recompute it timed
+    assert plan.choices[0].cost_s == pytest.approx(0.001)  # half its forward time
+    assert plan.predicted_step_s == pytest.approx(1.001)
+    # Without the timing, recompute costs its forward time.
+    untimed = two_blocks(cheap_s=0.002, dear_s=0.008)
+    untimed.history.append(StepRecord(0.4, 0.601, 9 * MiB, None, ("a",)))
+    plan = make_plan(untimed, 9 * MiB)
+    assert plan is not None and plan.choices[0].cost_s == pytest.approx(0.002)
 
 
 # -- Auto following the plan ----------------------------------------------------------------
@@ -266,6 +306,18 @@ def test_auto_recomputes_from_step_two_and_gives_every_module_back() -> None:
     assert second.plan is not None and second.plan.recompute
     assert all("forward" not in vars(m) for m in model.modules())  # restored at exit
     assert list(model.state_dict()) == keys and len(calls) == 2  # hooks still run
+
+
+def test_auto_times_what_backward_spends_recomputing_the_plan() -> None:
+    model = fresh()
+    budget = activation_bytes(model, data()) // 2
+    profile = ticking()
+    first, second, _ = train(model, 3, ts.Auto(device_budget=budget), profile)
+    assert first.plan is None and profile.history[0].recompute_s is None  # nothing recomputed
+    assert second.plan is not None and second.plan.recompute
+    for record in list(profile.history)[1:]:
+        assert record.recomputed and record.recompute_s is not None
+        assert 0 < record.recompute_s < record.backward_s  # the profile's clock, in backward
 
 
 def test_auto_plan_trains_bitwise_with_dropout_while_the_plan_changes() -> None:
