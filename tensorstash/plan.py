@@ -43,7 +43,9 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import math
 import statistics
 from collections.abc import Callable, Iterable
@@ -292,8 +294,19 @@ class _Solver:
         recomputes it. Once no saving lowers the peak, each is worth the
         held bytes it saves, which the budget is about.
         """
-        peaks = self.region_peaks()
+        before = self.held_before()
+        peaks = self.region_peaks(before)
         now = max([self.held, *peaks.values()])
+
+        def lowered(saved: int, order: int, own: int = 0, replaced: str | None = None) -> int:
+            """How far the peak held falls with ``saved`` bytes fewer from ``order`` on."""
+            others = [
+                peak - saved if self.modules[r].first_order > order else peak
+                for r, peak in peaks.items()
+                if replaced is None or not _under(r, replaced)
+            ]
+            return now - max([self.held - saved, own, *others])
+
         found: list[tuple[_Option, int]] = []
         if recompute:
             for path, record in self.modules.items():
@@ -301,27 +314,17 @@ class _Solver:
                     continue
                 saved, cost = self.recompute_saving(path)
                 first = record.first_order
-                own = self.before(first) + record.input_bytes + self.inside_bytes(path)
-                others = [
-                    peak - saved if self.modules[r].first_order > first else peak
-                    for r, peak in peaks.items()
-                    if not _under(r, path)
-                ]
-                lowered = now - max([self.held - saved, own, *others])
+                own = before(first) + record.input_bytes + self.inside_bytes(path)
                 if saved > 0:
-                    found.append((_Option(cost, saved, first, "recompute", path), lowered))
+                    option = _Option(cost, saved, first, "recompute", path)
+                    found.append((option, lowered(saved, first, own, path)))
         for site, site_record in self.sites.items():
             if site in self.moved or any(_under(site[0], m) for m in self.recomputed):
                 continue
             tier, saved, cost = self.move_option(site)
             order = site_record.order
-            others = [
-                peak - saved if self.modules[r].first_order > order else peak
-                for r, peak in peaks.items()
-            ]
-            lowered = now - max([self.held - saved, *others])
             if saved > 0:
-                found.append((_Option(cost, saved, order, tier, site), lowered))
+                found.append((_Option(cost, saved, order, tier, site), lowered(saved, order)))
         if any(lowered > 0 for _, lowered in found):
             return [
                 dataclasses.replace(option, saved=min(option.saved, lowered))
@@ -332,28 +335,31 @@ class _Solver:
 
     # The peak held (rule 3) --------------------------------------------------------------
 
-    def region_peaks(self) -> dict[str, int]:
+    def region_peaks(self, before: Callable[[int], int]) -> dict[str, int]:
         """Bytes held while backward recomputes each module chosen: what was saved
-        before it and is still held, its inputs, and everything saved inside it."""
+        before it and is still held (``before``), its inputs, and everything saved inside it."""
         return {
-            path: self.before(self.modules[path].first_order)
+            path: before(self.modules[path].first_order)
             + self.modules[path].input_bytes
             + self.inside_bytes(path)
             for path in self.recomputed
         }
 
-    def before(self, order: int) -> int:
-        """Bytes held for sites saved before ``order``, and inputs of regions begun before it."""
-        held = 0
+    def held_before(self) -> Callable[[int], int]:
+        """``before(order)``: bytes held for sites saved before ``order``, and the inputs
+        of regions begun before it, with the choices taken so far (one pass, then a search)."""
+        held: list[tuple[int, int]] = []
         for site, record in self.sites.items():
-            if record.order >= order or any(_under(site[0], m) for m in self.recomputed):
+            if any(_under(site[0], m) for m in self.recomputed):
                 continue
             moved = self.moved.get(site)
-            held += record.nbytes - (moved.saved_bytes if moved is not None else 0)
+            held.append((record.order, record.nbytes - (0 if moved is None else moved.saved_bytes)))
         for path in self.recomputed:
-            if self.modules[path].first_order < order:
-                held += self.modules[path].input_bytes
-        return held
+            held.append((self.modules[path].first_order, self.modules[path].input_bytes))
+        held.sort()
+        orders = [order for order, _ in held]
+        totals = list(itertools.accumulate((nbytes for _, nbytes in held), initial=0))
+        return lambda order: totals[bisect.bisect_left(orders, order)]
 
     def inside_bytes(self, path: str) -> int:
         return sum(self.sites[site].nbytes for site in self.inside(path))
