@@ -44,6 +44,7 @@ _names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _users = 0
 _keys: tuple[int, int] | None = None  # our hooks' keys in torch's global hook tables
+_filter: Any = None  # our entry in warnings.filters, once made
 # Parameters and buffers by the address of their data: a weak reference to
 # their storage (the entry goes with it) and "parameter" or "buffer". A saved
 # tensor is looked up by its address (no storage object is made for it), and
@@ -232,9 +233,7 @@ def track() -> None:
         _users += 1
         if _users > 1:
             return
-        # torch warns on each call of a compiled module while global hooks
-        # exist, because they fire once more for its wrapper; ours allow it.
-        warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
+        _ignore_compile_warning()
         if _keys is None:
             pre = module_hooks.register_module_forward_pre_hook(_enter)
             post = module_hooks.register_module_forward_hook(_leave, always_call=True)
@@ -244,6 +243,23 @@ def track() -> None:
         module_hooks._global_forward_pre_hooks[pre_key] = _enter
         module_hooks._global_forward_hooks[post_key] = _leave
         module_hooks._global_forward_hooks_always_called[post_key] = True
+
+
+def _ignore_compile_warning() -> None:
+    """Silence torch's warning about global module hooks on compiled modules.
+
+    torch warns on each call of a compiled module while global hooks exist,
+    because they fire once more for its wrapper; ours allow it. The filter is
+    added again only when it is no longer first (``catch_warnings`` restores
+    the filters it found): adding one clears every warning registry, and a
+    session is opened every step.
+    """
+    global _filter
+    filters = warnings.filters
+    if _filter is not None and filters and filters[0] is _filter:
+        return
+    warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
+    _filter = warnings.filters[0]
 
 
 def untrack() -> None:

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 import warnings
@@ -364,9 +365,6 @@ class _AutoState:
         self.hot = ctx.stats.hot  # kept bytes the session counts without a lock
         self.select = Select(_unused_rule, auto.device_probe, auto.host_probe, clock=auto.clock)
         self.keep = Keep()
-        self.offload = CpuOffload()
-        self.compress = Chain(CpuOffload(), Lz4())
-        self.spill = Chain(CpuOffload(), Lz4(), DiskSpill(auto.directory))  # CPU: kept, Lz4, disk
         self.budget = -1
         self.window = 0
         self.reserve = 0
@@ -382,6 +380,21 @@ class _AutoState:
         self.cache_off: Any = None  # a model config whose use_cache was turned off
         self.stats = ctx.stats
         self.watch: Watch | None = None  # returns freed memory in a planned CPU step
+
+    # The tiers, made when first chosen: a step that keeps everything makes none
+    # (a DiskSpill checks its directory when made).
+
+    @functools.cached_property
+    def offload(self) -> Policy:
+        return CpuOffload()
+
+    @functools.cached_property
+    def compress(self) -> Policy:
+        return Chain(CpuOffload(), Lz4())
+
+    @functools.cached_property
+    def spill(self) -> Policy:
+        return Chain(CpuOffload(), Lz4(), DiskSpill(self.auto.directory))  # CPU: kept, Lz4, disk
 
     # The session's step ------------------------------------------------------------
 

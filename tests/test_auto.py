@@ -256,3 +256,25 @@ def test_auto_moves_device_tensors_by_host_memory_left(
     assert type(policy) is type(expected)
     if isinstance(expected, ts.Chain):
         assert [type(s) for s in policy.stages] == [type(s) for s in expected.stages]
+
+
+def test_auto_makes_no_tier_in_a_step_that_keeps_everything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A DiskSpill checks its directory when made (a probe file, the mount table): a step
+    that keeps every tensor must not pay for that."""
+    made: list[object] = []
+    real = ts.auto.DiskSpill
+
+    def counting(*args: object, **kwargs: object) -> object:
+        made.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ts.auto, "DiskSpill", counting)
+    model = mlp()
+    run(model, ts.Auto(device_budget="1GiB", host_probe=fixed(64 << 30)))
+    assert made == []
+    session, grads = run(model, ts.Auto(device_budget=0, host_probe=fixed(64 << 30)))
+    assert len(made) == 1  # made once, when a tensor first went to disk
+    assert session.stats.to_dict()["tiers"]["disk"]["tensors"] >= 1
+    assert all(torch.equal(a, b) for a, b in zip(plain(model), grads, strict=True))

@@ -212,3 +212,30 @@ def test_session_is_freed_without_the_garbage_collector(policy: str) -> None:
         assert freed() is None, "a reference cycle keeps the session until gc runs"
     finally:
         gc.enable()
+
+
+def test_sessions_add_their_warning_filter_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adding a warning filter clears every warning registry in the process: a session
+    opened every step adds torch.compile's filter only when it is no longer first."""
+    import warnings
+
+    with ts.stash(ts.Keep()):
+        pass
+    added: list[object] = []
+    real = warnings.filterwarnings
+
+    def counting(*args: object, **kwargs: object) -> None:
+        added.append(kwargs.get("message"))
+        real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(warnings, "filterwarnings", counting)
+    for _ in range(3):
+        with ts.stash(ts.Keep()):
+            pass
+    assert added == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")  # now first: the session's filter goes in front again
+        with ts.stash(ts.Keep()):
+            pass
+        assert len(added) == 1
+        assert "torch.compile" in str(warnings.filters[0][1].pattern)
