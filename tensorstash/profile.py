@@ -25,8 +25,12 @@
 6. Module timings cost a few microseconds per module call: they are taken in
    the first ``measure_steps`` steps, again in two steps every
    ``remeasure_every`` steps, and in the two steps after a site's bytes change
-   (another batch shape). The real peak is taken in the first step of each
-   such run only, begun from a heap handed back to the OS (``malloc_trim``):
+   (another batch shape), and in one step after the plan first recomputes
+   other modules or moves bytes to other tiers than in every step whose peak
+   was taken (a plan's real peak is predicted from a step that ran under it;
+   backward's peak moves with what it recomputes). The real peak is taken in
+   the first step of each such run only, begun from a heap handed back to the
+   OS (``malloc_trim``):
    a training loop's warm heap reuses the last step's pages, and its steps
    would show no growth at all (NOTE [ Real memory ]). That step is cold:
    every page it touches is faulted in again, which made a module's forward
@@ -220,6 +224,7 @@ class Profile:
     _revision: int = 0
     _plans: dict[Any, tuple[int, int, Any]] = field(default_factory=dict)
     _warned: set[int] = field(default_factory=set)
+    _peak_plans: set[tuple[Any, ...]] = field(default_factory=set)
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickles (a spawned process's copy): the measurements, not the live links.
@@ -283,6 +288,9 @@ class Profile:
         self.history.append(record)
         if record.peak_bytes is not None:
             self.peak = record
+            self._peak_plans.add(_plan_of(record))
+        elif _plan_of(record) not in self._peak_plans:
+            self._remeasure = max(self._remeasure, 1)  # rule 6: a peak under this plan
         if step.modules:
             measured = {path: rec for path, rec in step.modules.items() if rec.calls}
             self.module_history.append((record.cold, measured))
@@ -411,6 +419,7 @@ class Profile:
         self.module_history = deque([(False, dict(self.modules))], maxlen=HISTORY)
         self.history = deque((_step_record(row) for row in state["history"]), maxlen=HISTORY)
         self.peak = None if state["peak"] is None else _step_record(state["peak"])
+        self._peak_plans = set() if self.peak is None else {_plan_of(self.peak)}
         self.codec_methods = {
             (op, getattr(torch, dtype), tuple(shape), tuple(stride)): method
             for op, dtype, shape, stride, method in state["codec_methods"]
@@ -441,11 +450,6 @@ class Profile:
             self._step.recomputed = paths
             # Seconds left from a step whose backward never ended are not this step's.
             take_recompute_seconds(m for m in map(self.module, paths) if m is not None)
-
-    def exclude(self, seconds: float) -> None:
-        """Leave ``seconds`` spent now (one-time set-up) out of the step's forward time."""
-        if self._step is not None and seconds:
-            self._step.excluded += seconds
 
     def warn_unreachable(self, budget: int) -> bool:
         """True the first time a budget turns out unreachable (one warning per budget)."""
@@ -478,6 +482,12 @@ class Profile:
 
 def _inside(path: str, modules: tuple[str, ...]) -> bool:
     return any(path == m or path.startswith(m + ".") for m in modules)
+
+
+def _plan_of(record: StepRecord) -> tuple[Any, ...]:
+    """What a step's plan did, for rule 6: the modules it recomputed and the tiers it moved to
+    (not their bytes, which change with the batch's shape)."""
+    return (record.recomputed, frozenset(record.moved))
 
 
 def _median_modules(
@@ -598,7 +608,6 @@ class _Step:
         self._backward = False
         self._timings: list[tuple[str, Any, Any]] = []
         self.policy_s = 0.0
-        self.excluded = 0.0
         if self.cold:
             # Rule 6: from a heap handed back to the OS, or a warm heap that
             # reuses the last step's pages shows a step growing by nothing.
@@ -712,7 +721,7 @@ class _Step:
         recomputed = [self.profile.module(path) for path in self.recomputed]
         recompute_s = take_recompute_seconds(m for m in recomputed if m is not None)
         record = StepRecord(
-            forward_s=timer.seconds(self._begun, self._forward_end) - self.excluded,
+            forward_s=timer.seconds(self._begun, self._forward_end),
             backward_s=timer.seconds(self._forward_end, end),
             held_bytes=self._held,
             peak_bytes=peak,

@@ -263,3 +263,22 @@ def test_profile_load_state_dict_rejects_another_version() -> None:
 def test_stash_rejects_a_profile_of_the_wrong_type() -> None:
     with pytest.raises(TypeError, match=r"profile must be a tensorstash\.Profile"):
         ts.stash("keep", profile={})  # type: ignore[arg-type]
+
+
+def test_profile_takes_the_peak_once_in_a_step_under_a_new_plan() -> None:
+    """A plan's real peak is predicted from a step that ran under it (backward's peak moves
+    with what the plan recomputes and moves): the step after the first one under a plan
+    whose peak was never taken takes it, once."""
+    model, profile = net(), ts.Profile(measure_steps=1, remeasure_every=0)
+    auto = ts.Auto(device_budget="4MiB", host_probe=lambda device: (64 << 30, 64 << 30))
+    plans, peaks = [], []
+    for _ in range(8):
+        session = step(model, batch(512), profile, auto)
+        last = profile.history[-1]
+        plans.append((last.recomputed, frozenset(last.moved)))
+        peaks.append(last.peak_bytes is not None)
+    assert plans[1] != plans[0] and peaks[:3] == [True, False, True]
+    for i in range(1, len(plans)):
+        measured = {plans[j] for j in range(i) if peaks[j]}
+        assert peaks[i] == (plans[i - 1] not in measured), (plans, peaks)
+    assert session.plan is not None and session.plan.predicted_peak_bytes is not None
