@@ -179,6 +179,7 @@ class FakePlan:
     """What the planner will expose as ``session.plan``."""
 
     predicted_step_s = 0.5
+    base_step_s = 0.4
     predicted_peak_bytes = 2**20
     recompute = ("blocks.0",)
 
@@ -196,7 +197,8 @@ def test_bench_auto_rows_show_the_plans_prediction(monkeypatch: pytest.MonkeyPat
     assert keep.predicted_step_s is None and keep.step_over_predicted is None
     assert auto.predicted_step_s == 0.5 and auto.predicted_peak_bytes == 2**20
     assert auto.plan_recompute == ("blocks.0",)
-    ratios = sorted(step / 0.5 for step in auto.step_times)
+    # The step's overhead over none in its round, over the predicted overhead (0.5 / 0.4).
+    ratios = sorted(overhead / 1.25 for overhead in auto.step_overheads)
     assert auto.step_over_predicted == pytest.approx(sum(ratios) / 2)
     assert auto.peak_over_predicted == pytest.approx(
         sum(peak / 2**20 for peak in auto.step_peak_bytes) / 2

@@ -32,11 +32,14 @@ class PlanReading:
         predicted_step_s: forward and backward seconds of a step with this plan.
         predicted_peak_bytes: the real peak growth of such a step.
         recompute: the module paths the plan recomputes.
+        base_step_s: the plan's step with nothing recomputed or moved (what
+            its prediction adds its costs to), or None.
     """
 
     predicted_step_s: float | None
     predicted_peak_bytes: int | None
     recompute: tuple[str, ...]
+    base_step_s: float | None = None
 
 
 def read_plan(session: Any) -> PlanReading | None:
@@ -46,10 +49,12 @@ def read_plan(session: Any) -> PlanReading | None:
         return None
     step_s = getattr(plan, "predicted_step_s", None)
     peak = getattr(plan, "predicted_peak_bytes", None)
+    base = getattr(plan, "base_step_s", None)
     return PlanReading(
         None if step_s is None else float(step_s),
         None if peak is None else int(peak),
         tuple(getattr(plan, "recompute", ()) or ()),
+        float(base) if base else None,
     )
 
 

@@ -47,9 +47,14 @@ model, and the numbers are only comparable if nothing but the variant differs:
    kernels (atomic adds in attention and embedding backward) give different
    bits on every run, and rule 4's check would then say nothing.
 9. Every ratio is the median over the timed rounds of a ratio inside one
-   round (overhead, real peak against none, a plan against its twin) or one
-   step (measured over predicted), never a ratio of medians: the rounds share
-   the machine's state, the medians do not.
+   round (overhead, real peak against none, a plan against its twin, the
+   measured overhead against the predicted one) or one step (measured peak
+   over predicted), never a ratio of medians: the rounds share the machine's
+   state, the medians do not. A predicted step time is compared as an
+   overhead (over the plan's base, the step with nothing moved) with the
+   step's overhead over none in its round: on a shared machine the same step
+   took 3.8 to 5.1 s within a minute (``medium``, CPU), and a plan predicts
+   from earlier steps than those it runs in.
 10. ``--dtype bfloat16`` runs the forward under bfloat16 autocast, weights and
     gradients staying float32, the reference too. Each dtype is a run of its
     own (reference, activation bytes, rounds); ``--sweep`` runs both.

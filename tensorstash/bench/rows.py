@@ -50,7 +50,13 @@ class Row:
         predicted_step_s, predicted_peak_bytes: the planner's prediction
             (``session.plan``), median over the timed steps that had one.
         step_over_predicted, peak_over_predicted: median over those steps of
-            the measurement over the prediction of the same step.
+            the measurement over the prediction of the same step. For the step
+            time, the ratios are of overheads: the step over none's in the
+            same round, over the predicted step over the plan's base (its step
+            with nothing moved). A shared machine's speed drifts between the
+            steps a plan learns from and the steps it predicts; none's step in
+            the same round carries that drift, and the ratio cancels it
+            (rule 9 of the NOTE).
         plan_recompute: the modules the last timed step's plan recomputed.
         no_plan_step_times, no_plan_peak_bytes: with ``twins``, each timed step
             of the same Auto without a plan (rule 6 of the NOTE).
@@ -176,7 +182,16 @@ def summarize(
     peaks = tuple(r.peak_bytes for r in steps)
     last = steps[-1].stats
     plans = [(r, r.plan) for r in steps if r.plan is not None]
+    overheads = {
+        id(r): r.seconds / b.seconds if b.seconds > 0 else NAN
+        for r, b in zip(steps, baseline, strict=True)
+    }
     step_plans = [(r.seconds, p.predicted_step_s) for r, p in plans if p.predicted_step_s]
+    overhead_plans = [
+        (overheads[id(r)], p.predicted_step_s / p.base_step_s)
+        for r, p in plans
+        if p.predicted_step_s and p.base_step_s
+    ]
     peak_plans = [
         (r.peak_bytes, p.predicted_peak_bytes) for r, p in plans if p.predicted_peak_bytes
     ]
@@ -199,7 +214,7 @@ def summarize(
         step_peak_bytes=peaks,
         predicted_step_s=_median_of(p for _, p in step_plans),
         predicted_peak_bytes=_int_or_none(_median_of(p for _, p in peak_plans)),
-        step_over_predicted=_median_of(m / p for m, p in step_plans),
+        step_over_predicted=_median_of(m / p for m, p in overhead_plans),
         peak_over_predicted=_median_of(m / p for m, p in peak_plans),
         plan_recompute=plans[-1][1].recompute if plans else (),
     )
