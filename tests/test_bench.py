@@ -192,14 +192,17 @@ def test_bench_auto_rows_show_the_plans_prediction(monkeypatch: pytest.MonkeyPat
         return FakePlan() if session.profile is not None else None
 
     monkeypatch.setattr(ts.Session, "plan", property(plan), raising=False)
-    found = bench.run_bench("tiny", ["keep", "auto:1MiB"], steps=2, warmup=0)
-    keep, auto = found[1], found[2]
+    found = bench.run_bench("tiny", ["keep", "auto:1MiB", "recompute"], steps=2, warmup=0)
+    keep, auto, recompute = found[1], found[2], found[3]
     assert keep.predicted_step_s is None and keep.step_over_predicted is None
     assert auto.predicted_step_s == 0.5 and auto.predicted_peak_bytes == 2**20
     assert auto.plan_recompute == ("blocks.0",)
     # The step's overhead over none in its round, over the predicted overhead (0.5 / 0.4).
     ratios = sorted(overhead / 1.25 for overhead in auto.step_overheads)
     assert auto.step_over_predicted == pytest.approx(sum(ratios) / 2)
+    # "recompute" wraps every block itself, so its plan's base is no step of none's.
+    steps = sorted(step / 0.5 for step in recompute.step_times)
+    assert recompute.step_over_predicted == pytest.approx(sum(steps) / 2)
     assert auto.peak_over_predicted == pytest.approx(
         sum(peak / 2**20 for peak in auto.step_peak_bytes) / 2
     )

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from tensorstash.bench.measure import StepResult
-from tensorstash.bench.variants import AUTO_PREFIX
+from tensorstash.bench.variants import AUTO_PREFIX, NEEDS_BLOCKS
 from tensorstash.stats import TIERS
 
 NAN = float("nan")
@@ -56,7 +56,9 @@ class Row:
             with nothing moved). A shared machine's speed drifts between the
             steps a plan learns from and the steps it predicts; none's step in
             the same round carries that drift, and the ratio cancels it
-            (rule 9 of the NOTE).
+            (rule 9 of the NOTE). A variant that wraps the blocks itself
+            ("recompute") has a base that recomputes them all: its ratio is the
+            step over the predicted step.
         plan_recompute: the modules the last timed step's plan recomputed.
         no_plan_step_times, no_plan_peak_bytes: with ``twins``, each timed step
             of the same Auto without a plan (rule 6 of the NOTE).
@@ -187,8 +189,12 @@ def summarize(
         for r, b in zip(steps, baseline, strict=True)
     }
     step_plans = [(r.seconds, p.predicted_step_s) for r, p in plans if p.predicted_step_s]
+    # A plan's base is its step with nothing moved: for a variant that wraps the blocks
+    # itself ("recompute"), that step recomputes every block, and none's is no measure of it.
     overhead_plans = [
         (overheads[id(r)], p.predicted_step_s / p.base_step_s)
+        if name not in NEEDS_BLOCKS
+        else (r.seconds, p.predicted_step_s)
         for r, p in plans
         if p.predicted_step_s and p.base_step_s
     ]
