@@ -225,6 +225,7 @@ class Profile:
     _plans: dict[Any, tuple[int, int, Any]] = field(default_factory=dict)
     _warned: set[int] = field(default_factory=set)
     _peak_plans: set[tuple[Any, ...]] = field(default_factory=set)
+    _peak_due: bool = False
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickles (a spawned process's copy): the measurements, not the live links.
@@ -249,7 +250,8 @@ class Profile:
         self._seen.clear()
         self.current = {}
         measure = self._measures()
-        cold = measure and not self._measured_last  # the first of a run (rule 6)
+        # The first of a run, or the step that takes a new plan's peak (rule 6).
+        cold = measure and (not self._measured_last or self._peak_due)
         self._measured_last = measure
         step = _Step(self, ctx, min_bytes, measure=measure, cold=cold)
         self._step = step
@@ -289,8 +291,10 @@ class Profile:
         if record.peak_bytes is not None:
             self.peak = record
             self._peak_plans.add(_plan_of(record))
+            self._peak_due = False
         elif _plan_of(record) not in self._peak_plans:
             self._remeasure = max(self._remeasure, 1)  # rule 6: a peak under this plan
+            self._peak_due = True
         if step.modules:
             measured = {path: rec for path, rec in step.modules.items() if rec.calls}
             self.module_history.append((record.cold, measured))

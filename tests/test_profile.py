@@ -269,7 +269,7 @@ def test_profile_takes_the_peak_once_in_a_step_under_a_new_plan() -> None:
     """A plan's real peak is predicted from a step that ran under it (backward's peak moves
     with what the plan recomputes and moves): the step after the first one under a plan
     whose peak was never taken takes it, once."""
-    model, profile = net(), ts.Profile(measure_steps=1, remeasure_every=0)
+    model, profile = net(), ts.Profile(measure_steps=3, remeasure_every=0)  # in a run, too
     auto = ts.Auto(device_budget="4MiB", host_probe=lambda device: (64 << 30, 64 << 30))
     plans, peaks = [], []
     for _ in range(8):
