@@ -25,9 +25,9 @@
 6. Module timings cost a few microseconds per module call: they are taken in
    the first ``measure_steps`` steps, again in two steps every
    ``remeasure_every`` steps, and in the two steps after a site's bytes change
-   (another batch shape), and in one step after the plan first recomputes
-   other modules or moves bytes to other tiers than in every step whose peak
-   was taken (a plan's real peak is predicted from a step that ran under it;
+   (another batch shape), and, with ``measure_memory``, in one step after the
+   plan first recomputes other modules or moves bytes to other tiers than in
+   every step whose peak was taken (a plan's real peak is predicted from a step that ran under it;
    backward's peak moves with what it recomputes). The real peak is taken in
    the first step of each such run only, begun from a heap handed back to the
    OS (``malloc_trim``):
@@ -225,7 +225,6 @@ class Profile:
     _plans: dict[Any, tuple[int, int, Any]] = field(default_factory=dict)
     _warned: set[int] = field(default_factory=set)
     _peak_plans: set[tuple[Any, ...]] = field(default_factory=set)
-    _peak_due: bool = False
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickles (a spawned process's copy): the measurements, not the live links.
@@ -251,7 +250,7 @@ class Profile:
         self.current = {}
         measure = self._measures()
         # The first of a run, or the step that takes a new plan's peak (rule 6).
-        cold = measure and (not self._measured_last or self._peak_due)
+        cold = measure and (not self._measured_last or self._peak_due())
         self._measured_last = measure
         step = _Step(self, ctx, min_bytes, measure=measure, cold=cold)
         self._step = step
@@ -261,8 +260,18 @@ class Profile:
         if self.steps < self.measure_steps or not self.modules or self._remeasure:
             self._remeasure = max(self._remeasure - 1, 0)
             return True
+        if self._peak_due():
+            return True
         every = self.remeasure_every
         return bool(every) and self.steps % every in (0, 1)
+
+    def _peak_due(self) -> bool:
+        """Rule 6: the last step ran a plan under which no step took the real peak."""
+        return (
+            self.measure_memory
+            and bool(self.history)
+            and _plan_of(self.history[-1]) not in self._peak_plans
+        )
 
     def _finished(self, step: _Step, record: StepRecord | None) -> None:
         """A step's backward ended (or it was not a step: ``record`` is None)."""
@@ -291,10 +300,6 @@ class Profile:
         if record.peak_bytes is not None:
             self.peak = record
             self._peak_plans.add(_plan_of(record))
-            self._peak_due = False
-        elif _plan_of(record) not in self._peak_plans:
-            self._remeasure = max(self._remeasure, 1)  # rule 6: a peak under this plan
-            self._peak_due = True
         if step.modules:
             measured = {path: rec for path, rec in step.modules.items() if rec.calls}
             self.module_history.append((record.cold, measured))

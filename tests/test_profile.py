@@ -282,3 +282,15 @@ def test_profile_takes_the_peak_once_in_a_step_under_a_new_plan() -> None:
         measured = {plans[j] for j in range(i) if peaks[j]}
         assert peaks[i] == (plans[i - 1] not in measured), (plans, peaks)
     assert session.plan is not None and session.plan.predicted_peak_bytes is not None
+
+
+def test_profile_without_memory_measures_no_step_for_a_new_plans_peak() -> None:
+    """With ``measure_memory=False`` no step takes the real peak: a new plan must not make
+    every step time its modules again."""
+    model, profile = net(), ts.Profile(measure_steps=3, remeasure_every=0, measure_memory=False)
+    auto = ts.Auto(device_budget="4MiB", host_probe=lambda device: (64 << 30, 64 << 30))
+    for _ in range(6):
+        step(model, batch(512), profile, auto)
+    assert profile.history[-1].recomputed or profile.history[-1].moved  # a plan ran
+    assert len(profile.module_history) == 3  # the first three steps only
+    assert all(rec.peak_bytes is None and not rec.cold for rec in profile.history)
