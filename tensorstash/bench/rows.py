@@ -184,19 +184,19 @@ def summarize(
     peaks = tuple(r.peak_bytes for r in steps)
     last = steps[-1].stats
     plans = [(r, r.plan) for r in steps if r.plan is not None]
-    overheads = {
-        id(r): r.seconds / b.seconds if b.seconds > 0 else NAN
+    overheads = tuple(
+        r.seconds / b.seconds if b.seconds > 0 else NAN
         for r, b in zip(steps, baseline, strict=True)
-    }
+    )
     step_plans = [(r.seconds, p.predicted_step_s) for r, p in plans if p.predicted_step_s]
     # A plan's base is its step with nothing moved: for a variant that wraps the blocks
     # itself ("recompute"), that step recomputes every block, and none's is no measure of it.
     overhead_plans = [
-        (overheads[id(r)], p.predicted_step_s / p.base_step_s)
+        (overhead, p.predicted_step_s / p.base_step_s)
         if name not in NEEDS_BLOCKS
         else (r.seconds, p.predicted_step_s)
-        for r, p in plans
-        if p.predicted_step_s and p.base_step_s
+        for r, overhead in zip(steps, overheads, strict=True)
+        if (p := r.plan) is not None and p.predicted_step_s and p.base_step_s
     ]
     peak_plans = [
         (r.peak_bytes, p.predicted_peak_bytes) for r, p in plans if p.predicted_peak_bytes
@@ -213,10 +213,7 @@ def summarize(
         stash_peak_bytes=_stash_peaks(steps),
         compression_ratio=None if last is None else float(last["compression_ratio"]),
         step_times=times,
-        step_overheads=tuple(
-            r.seconds / b.seconds if b.seconds > 0 else NAN
-            for r, b in zip(steps, baseline, strict=True)
-        ),
+        step_overheads=overheads,
         step_peak_bytes=peaks,
         predicted_step_s=_median_of(p for _, p in step_plans),
         predicted_peak_bytes=_int_or_none(_median_of(p for _, p in peak_plans)),
