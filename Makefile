@@ -11,7 +11,7 @@ BENCH_ARGS ?=
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py tensorstash/_fast.c constraints.txt
 	$(PIP) install -c constraints.txt "torch==2.13.0"
 	$(PIP) install -c constraints.txt -e ".[all]"
 	touch $@

@@ -675,7 +675,7 @@ def _holding(stats: StashStats) -> bool:
     hot = stats.hot
     live = hot.live + sum(tier.live_bytes for tier in stats.tiers.values())
     try:
-        live -= sum(list(hot.released))
+        live -= hot.pending()
     except RuntimeError:  # the queue changed while copied: ask again next time
         return True
     return live > 0

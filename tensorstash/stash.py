@@ -80,6 +80,7 @@ import torch
 from torch import Tensor
 
 from tensorstash import _dtensor, _modules, _reasons
+from tensorstash._fastpath import compiled
 from tensorstash._names import POLICIES
 from tensorstash._names import resolve as _resolve
 from tensorstash._reasons import Reason, Why, reason
@@ -90,7 +91,7 @@ from tensorstash.plan import Plan
 from tensorstash.policy import Context, Defer, Held, Keep, Packed, Policy, bug, nbytes_of
 from tensorstash.profile import Profile, SiteRecord
 from tensorstash.recompute import saving_plan_inputs
-from tensorstash.stats import Decision, StashStats
+from tensorstash.stats import Decision, HotCounts, StashStats
 
 DEFAULT_MIN_BYTES = 64 * 1024
 """Tensors smaller than this are kept: moving them costs more time than the bytes are worth."""
@@ -144,27 +145,28 @@ def _held(tensor: Tensor) -> Tensor:
     return tensor
 
 
-class _Kept:
+class _PyKept:
     """A tensor a policy kept where it is, as autograd holds it (rules 4 and 7).
 
     Freed on any thread (backward runs on a device's thread), it posts its
-    bytes to the session's :class:`~tensorstash.stats.HotCounts`.
+    bytes to the session's :class:`~tensorstash.stats.HotCounts`. The C
+    extension's ``Kept`` is the same (NOTE [ Fast path ] in _fastpath.py).
     """
 
-    __slots__ = ("__weakref__", "nbytes", "prev", "released", "tensor", "version")
+    __slots__ = ("__weakref__", "hot", "nbytes", "prev", "tensor", "version")
 
     def __init__(
         self,
         tensor: Tensor,
         version: int,
         nbytes: int,
-        released: collections.deque[int],
+        hot: HotCounts,
         prev: weakref.ref[_Saved] | None,
     ) -> None:
         self.tensor = tensor
         self.version = version
         self.nbytes = nbytes
-        self.released = released
+        self.hot = hot
         self.prev = prev
 
     def geometry(self) -> tuple[Any, ...]:
@@ -176,7 +178,10 @@ class _Kept:
         return self.tensor._version != self.version
 
     def __del__(self) -> None:
-        self.released.append(self.nbytes)
+        self.hot.release(self.nbytes)
+
+
+_Kept: Any = _PyKept if compiled is None else compiled.Kept
 
 
 class _Saved:
@@ -416,15 +421,20 @@ class _Dedupe:
             return value
         return None
 
+    def sweep(self) -> None:
+        """Drop the dead entries; the next sweep comes when the table has doubled."""
+        values = self._values
+        for dead in [key for key, entry in values.items() if not _live(entry)]:
+            del values[dead]
+        self._sweep_at = max(1024, 2 * len(values))
+
     def add(self, value: _Kept | _Saved, address: int) -> None:
         values = self._values
         entry = values.get(address)
         if entry is None:
             values[address] = weakref.ref(value)
             if len(values) >= self._sweep_at:
-                for dead in [key for key, entry in values.items() if not _live(entry)]:
-                    del values[dead]
-                self._sweep_at = max(1024, 2 * len(values))
+                self.sweep()
             return
         refs = [ref for ref in _refs(entry) if _live(ref)]
         refs.append(weakref.ref(value))
@@ -550,8 +560,43 @@ class Session(contextlib.ContextDecorator):
             self.policy, "choose", None
         )
         self._step = self.profile.begin(self._ctx, self.min_bytes) if self.profile else None
-        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self._unpack_hook)
+        torch._C._autograd._push_saved_tensors_default_hooks(*self._hooks())
         return self
+
+    def _hooks(self) -> tuple[Any, Any]:
+        """The hook pair to push: in C when nothing needs the Python hooks (NOTE [ Fast path ]).
+
+        Made at each push and not kept on the session: either pair holds the
+        session, and a pair kept on it would be a cycle left for the collector.
+        """
+        if compiled is None or self.record or self.verify or self._step is not None:
+            return self.pack, self._unpack_hook
+        hooks = compiled.Hooks(
+            session=self,
+            pack=self.pack,
+            unpack=self.unpack,
+            hot=self._hot,
+            kept_tier=self._kept_tier,
+            dedupe=self._dedupe,
+            values=self._dedupe._values,
+            state=_modules._state,
+            thread=_modules._thread(),
+            policy=self.policy,
+            choose=self._choose,
+            ctx=self._ctx,
+            tensor_type=_Tensor,
+            parameter_type=_Parameter,
+            keep_type=Keep,
+            copies=_PARAMETER_COPIES,
+            sequence_nr=_sequence_nr,
+            min_bytes=self.min_bytes,
+        )
+        return hooks.pack, hooks.unpack
+
+    def _pushed_by(self, hook: Any) -> bool:
+        """Whether ``hook`` (a pushed pack hook) is this session's, Python's or C's."""
+        owner = getattr(hook, "__self__", None)
+        return hook == self.pack or getattr(owner, "session", None) is self
 
     def __exit__(self, *exc: object) -> None:
         if not self._pushed:
@@ -566,7 +611,7 @@ class Session(contextlib.ContextDecorator):
                 "stash first (use them as nested `with` blocks)"
             )
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is None or top[0] != self.pack:
+        if top is None or not self._pushed_by(top[0]):
             raise RuntimeError(
                 "tensorstash.stash: other saved-tensor hooks are still pushed inside this "
                 "session; close them before the session ends"
@@ -641,7 +686,7 @@ class Session(contextlib.ContextDecorator):
             policy, why = self._choose(tensor, self._ctx, site)
         if type(policy) is not Keep or self.verify:
             return self._pack(tensor, address, policy, why, record, wrapper)
-        kept = _Kept(held, tensor._version, nbytes, hot.released, self._last)
+        kept = _Kept(held, tensor._version, nbytes, hot, self._last)
         hot.tensors += 1
         hot.bytes += nbytes
         live = hot.live = hot.live + nbytes
@@ -967,18 +1012,18 @@ def pause() -> Iterator[None]:
         ...     with tensorstash.pause():
         ...         g = torch.func.grad(loss_fn)(h.detach())
     """
-    popped: list[Session] = []
+    popped: list[tuple[Session, Any]] = []
     active = _active()
     for session in reversed(active):
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is None or top[0] != session.pack:
+        if top is None or not session._pushed_by(top[0]):
             break
         torch._C._autograd._pop_saved_tensors_default_hooks()
-        popped.append(session)
+        popped.append((session, top))
     del active[len(active) - len(popped) :]
     try:
         yield
     finally:
-        for session in reversed(popped):
-            torch._C._autograd._push_saved_tensors_default_hooks(session.pack, session._unpack_hook)
+        for session, hooks in reversed(popped):
+            torch._C._autograd._push_saved_tensors_default_hooks(*hooks)
             active.append(session)

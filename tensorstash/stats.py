@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tensorstash._fastpath import compiled
 from tensorstash._reasons import Reason, Why
 
 Tier = Literal["kept", "host", "disk"]
@@ -42,19 +43,20 @@ class TierStats:
             self.peak_bytes = self.live_bytes + beside
 
 
-class HotCounts:
+class _HotCounts:
     """What the pack hook counts without a lock, until :meth:`StashStats.fold` adds it.
 
     One thread writes these counts: the thread that runs the session's hooks.
     A kept tensor freed on another thread (backward on a device's thread)
-    posts its bytes to ``released``, which that thread drains.
+    posts its bytes with :meth:`release`; that thread drains them. The C
+    extension's ``HotCounts`` is the same (NOTE [ Fast path ] in _fastpath.py).
 
     Attributes:
         small_tensors, small_bytes: tensors under ``min_bytes``, and their bytes.
         tensors, bytes: tensors kept where they are by a policy, and their bytes.
         live: bytes of those held now; ``peak``: the most held in the tier at once.
         unpacks: unpacks of those tensors.
-        released: bytes of kept tensors freed, not yet taken off ``live``.
+        released: true while freed kept tensors' bytes are not yet off ``live``.
     """
 
     __slots__ = (
@@ -73,11 +75,22 @@ class HotCounts:
         self.tensors = self.bytes = self.live = self.peak = self.unpacks = 0
         self.released: collections.deque[int] = collections.deque()
 
+    def release(self, nbytes: int) -> None:
+        """Post the bytes of a kept tensor freed, on any thread."""
+        self.released.append(nbytes)
+
     def drain(self) -> None:
         """Take the bytes of freed kept tensors off ``live`` (on the hooks' thread)."""
         released = self.released
         while released:
             self.live -= released.popleft()
+
+    def pending(self) -> int:
+        """The bytes of freed kept tensors not yet taken off ``live``."""
+        return sum(self.released.copy())
+
+
+HotCounts: Any = _HotCounts if compiled is None else compiled.HotCounts
 
 
 @dataclass(eq=False, slots=True)
@@ -260,7 +273,7 @@ class StashStats:
     def live_bytes(self) -> int:
         """Stored bytes held now, all tiers together."""
         hot = self.hot
-        return sum(t.live_bytes for t in self.tiers.values()) + hot.live - sum(hot.released.copy())
+        return sum(t.live_bytes for t in self.tiers.values()) + hot.live - hot.pending()
 
     @property
     def compression_ratio(self) -> float:

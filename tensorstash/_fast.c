@@ -1,0 +1,651 @@
+/* The session's kept path in C: see NOTE [ Fast path ] in tensorstash/_fastpath.py.
+ *
+ * Three types, each with a pure-Python twin that behaves the same:
+ *   HotCounts  the counts the pack hook keeps without a lock (stats.HotCounts);
+ *   Kept       a tensor kept where it is (stash._Kept);
+ *   Hooks      pack and unpack for a session whose common case is C's:
+ *              anything else is handed to the session's own Python hooks.
+ *
+ * Only the CPython API is used (no torch headers): a tensor's fields are
+ * read through its Python attributes, as the Python path reads them.
+ * Everything here runs with the GIL held; a Kept freed on another thread
+ * (backward on a device's thread) adds its bytes to ``released`` under it.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+/* -- interned names ------------------------------------------------------------------- */
+
+static PyObject *s_nbytes, *s_grad_fn, *s_sequence_nr, *s_detach, *s_version, *s_requires_grad,
+    *s_base, *s_is_leaf, *s_data_ptr, *s_reread, *s_stack, *s_live_bytes, *s_last,
+    *s_sweep_at, *s_sweep, *s_pack_chosen, *s_prefetch_from;
+
+/* -- HotCounts ------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t small_tensors, small_bytes, tensors, bytes, live, peak, unpacks, released;
+} HotObject;
+
+static PyTypeObject HotType;
+
+static PyObject *Hot_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) || (kwargs != NULL && PyDict_GET_SIZE(kwargs))) {
+        PyErr_SetString(PyExc_TypeError, "HotCounts() takes no arguments");
+        return NULL;
+    }
+    return type->tp_alloc(type, 0); /* zeroed */
+}
+
+static PyObject *Hot_release(HotObject *self, PyObject *nbytes) {
+    Py_ssize_t n = PyLong_AsSsize_t(nbytes);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    self->released += n;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Hot_drain(HotObject *self, PyObject *unused) {
+    self->live -= self->released;
+    self->released = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Hot_pending(HotObject *self, PyObject *unused) {
+    return PyLong_FromSsize_t(self->released);
+}
+
+static PyMethodDef Hot_methods[] = {
+    {"release", (PyCFunction)Hot_release, METH_O,
+     "Post the bytes of a kept tensor freed (on any thread)."},
+    {"drain", (PyCFunction)Hot_drain, METH_NOARGS,
+     "Take the bytes of freed kept tensors off ``live``."},
+    {"pending", (PyCFunction)Hot_pending, METH_NOARGS,
+     "The bytes of freed kept tensors not yet taken off ``live``."},
+    {NULL},
+};
+
+#define HOT_MEMBER(name) {#name, T_PYSSIZET, offsetof(HotObject, name), 0, NULL}
+static PyMemberDef Hot_members[] = {
+    HOT_MEMBER(small_tensors), HOT_MEMBER(small_bytes), HOT_MEMBER(tensors),
+    HOT_MEMBER(bytes),         HOT_MEMBER(live),        HOT_MEMBER(peak),
+    HOT_MEMBER(unpacks),
+    {"released", T_PYSSIZET, offsetof(HotObject, released), READONLY, NULL},
+    {NULL},
+};
+
+static PyTypeObject HotType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tensorstash._fast.HotCounts",
+    .tp_basicsize = sizeof(HotObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "What the pack hook counts without a lock (see stats.HotCounts).",
+    .tp_new = Hot_new,
+    .tp_methods = Hot_methods,
+    .tp_members = Hot_members,
+};
+
+/* -- Kept ------------------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *tensor;
+    PyObject *version;
+    PyObject *prev;
+    HotObject *hot;
+    Py_ssize_t nbytes;
+    PyObject *weakrefs;
+} KeptObject;
+
+static PyTypeObject KeptType;
+
+/* Steals nothing; every argument is borrowed. */
+static KeptObject *kept_make(PyObject *tensor, PyObject *version, Py_ssize_t nbytes,
+                             HotObject *hot, PyObject *prev) {
+    KeptObject *self = PyObject_New(KeptObject, &KeptType);
+    if (self == NULL)
+        return NULL;
+    Py_INCREF(tensor);
+    self->tensor = tensor;
+    Py_INCREF(version);
+    self->version = version;
+    Py_INCREF(prev);
+    self->prev = prev;
+    Py_INCREF(hot);
+    self->hot = hot;
+    self->nbytes = nbytes;
+    self->weakrefs = NULL;
+    return self;
+}
+
+static PyObject *Kept_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *tensor, *version, *hot, *prev;
+    Py_ssize_t nbytes;
+    static char *names[] = {"tensor", "version", "nbytes", "hot", "prev", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOnO!O:Kept", names, &tensor, &version,
+                                     &nbytes, &HotType, &hot, &prev))
+        return NULL;
+    return (PyObject *)kept_make(tensor, version, nbytes, (HotObject *)hot, prev);
+}
+
+static void Kept_dealloc(KeptObject *self) {
+    /* Rule 7 of NOTE [ Session ]: the graph freed this; post its bytes. */
+    self->hot->released += self->nbytes;
+    if (self->weakrefs != NULL)
+        PyObject_ClearWeakRefs((PyObject *)self);
+    Py_DECREF(self->tensor);
+    Py_DECREF(self->version);
+    Py_DECREF(self->prev);
+    Py_DECREF(self->hot);
+    PyObject_Free(self);
+}
+
+/* Whether the tensor changed in place since it was saved: -1 on an error. */
+static int kept_changed(KeptObject *self) {
+    PyObject *now = PyObject_GetAttr(self->tensor, s_version);
+    if (now == NULL)
+        return -1;
+    int same = PyObject_RichCompareBool(now, self->version, Py_EQ);
+    Py_DECREF(now);
+    return same < 0 ? -1 : !same;
+}
+
+static PyObject *Kept_changed(KeptObject *self, PyObject *unused) {
+    int changed = kept_changed(self);
+    if (changed < 0)
+        return NULL;
+    return PyBool_FromLong(changed);
+}
+
+static PyObject *Kept_geometry(KeptObject *self, PyObject *unused) {
+    PyObject *offset = PyObject_CallMethod(self->tensor, "storage_offset", NULL);
+    PyObject *shape = PyObject_GetAttrString(self->tensor, "shape");
+    PyObject *stride = PyObject_CallMethod(self->tensor, "stride", NULL);
+    PyObject *dtype = PyObject_GetAttrString(self->tensor, "dtype");
+    PyObject *result = NULL;
+    if (offset && shape && stride && dtype)
+        result = PyTuple_Pack(5, offset, shape, stride, dtype, self->version);
+    Py_XDECREF(offset);
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    Py_XDECREF(dtype);
+    return result;
+}
+
+static PyMethodDef Kept_methods[] = {
+    {"changed", (PyCFunction)Kept_changed, METH_NOARGS,
+     "Whether the tensor changed in place since it was saved."},
+    {"geometry", (PyCFunction)Kept_geometry, METH_NOARGS,
+     "(storage offset, shape, stride, dtype, version): what dedupe compares."},
+    {NULL},
+};
+
+static PyMemberDef Kept_members[] = {
+    {"tensor", T_OBJECT, offsetof(KeptObject, tensor), READONLY, NULL},
+    {"version", T_OBJECT, offsetof(KeptObject, version), READONLY, NULL},
+    {"prev", T_OBJECT, offsetof(KeptObject, prev), READONLY, NULL},
+    {"hot", T_OBJECT, offsetof(KeptObject, hot), READONLY, NULL},
+    {"nbytes", T_PYSSIZET, offsetof(KeptObject, nbytes), READONLY, NULL},
+    {NULL},
+};
+
+static PyTypeObject KeptType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tensorstash._fast.Kept",
+    .tp_basicsize = sizeof(KeptObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A tensor kept where it is, as autograd holds it (see stash._Kept).",
+    .tp_new = Kept_new,
+    .tp_dealloc = (destructor)Kept_dealloc,
+    .tp_weaklistoffset = offsetof(KeptObject, weakrefs),
+    .tp_methods = Kept_methods,
+    .tp_members = Kept_members,
+};
+
+/* -- Hooks ----------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *session;       /* the Session: _last, _pack_chosen, _prefetch_from */
+    PyObject *pack_slow;     /* the session's Python pack hook */
+    PyObject *unpack_slow;   /* the session's Python unpack hook */
+    HotObject *hot;
+    PyObject *kept_tier;     /* stats.tiers["kept"]: live_bytes */
+    PyObject *dedupe;        /* stash._Dedupe */
+    PyObject *values;        /* its dict: address -> weakref or list */
+    PyObject *state;         /* _modules._state: address -> parameter or buffer */
+    PyObject *thread;        /* _modules._Thread of the session's thread */
+    PyObject *policy;        /* the session's policy */
+    PyObject *choose;        /* the selector's choose, or None */
+    PyObject *ctx;           /* the session's Context */
+    PyObject *tensor_type;   /* torch.Tensor */
+    PyObject *parameter_type;
+    PyObject *keep_type;     /* policy.Keep */
+    PyObject *copies;        /* frozenset of the node types of parameter copies */
+    PyObject *sequence_nr;   /* torch._C._autograd._get_sequence_nr */
+    Py_ssize_t min_bytes;
+    unsigned long owner;     /* the thread that pushed the hooks: ``thread`` is its state */
+} HooksObject;
+
+static PyTypeObject HooksType;
+
+static int Hooks_init(HooksObject *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"session", "pack", "unpack", "hot", "kept_tier", "dedupe", "values",
+                            "state", "thread", "policy", "choose", "ctx", "tensor_type", "parameter_type",
+                            "keep_type", "copies", "sequence_nr", "min_bytes", NULL};
+    PyObject *o[17];
+    Py_ssize_t min_bytes;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OOOO!OOO!O!OOOOOOOO!On:Hooks", names, &o[0],
+                                     &o[1], &o[2], &HotType, &o[3], &o[4], &o[5], &PyDict_Type,
+                                     &o[6], &PyDict_Type, &o[7], &o[8], &o[9], &o[10], &o[11],
+                                     &o[12], &o[13], &o[14], &PyFrozenSet_Type, &o[15], &o[16],
+                                     &min_bytes))
+        return -1;
+    PyObject **slots[] = {&self->session,     &self->pack_slow,      &self->unpack_slow,
+                          (PyObject **)&self->hot, &self->kept_tier, &self->dedupe,
+                          &self->values,      &self->state,          &self->thread,
+                          &self->policy,      &self->choose,      &self->ctx,            &self->tensor_type,
+                          &self->parameter_type, &self->keep_type,   &self->copies,
+                          &self->sequence_nr};
+    for (int i = 0; i < 17; i++) {
+        Py_INCREF(o[i]);
+        Py_XSETREF(*slots[i], o[i]);
+    }
+    self->min_bytes = min_bytes;
+    self->owner = PyThread_get_thread_ident();
+    return 0;
+}
+
+static int Hooks_traverse(HooksObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->session);
+    Py_VISIT(self->pack_slow);
+    Py_VISIT(self->unpack_slow);
+    Py_VISIT(self->hot);
+    Py_VISIT(self->kept_tier);
+    Py_VISIT(self->dedupe);
+    Py_VISIT(self->values);
+    Py_VISIT(self->state);
+    Py_VISIT(self->thread);
+    Py_VISIT(self->policy);
+    Py_VISIT(self->choose);
+    Py_VISIT(self->ctx);
+    Py_VISIT(self->tensor_type);
+    Py_VISIT(self->parameter_type);
+    Py_VISIT(self->keep_type);
+    Py_VISIT(self->copies);
+    Py_VISIT(self->sequence_nr);
+    return 0;
+}
+
+static int Hooks_clear(HooksObject *self) {
+    Py_CLEAR(self->session);
+    Py_CLEAR(self->pack_slow);
+    Py_CLEAR(self->unpack_slow);
+    Py_CLEAR(self->hot);
+    Py_CLEAR(self->kept_tier);
+    Py_CLEAR(self->dedupe);
+    Py_CLEAR(self->values);
+    Py_CLEAR(self->state);
+    Py_CLEAR(self->thread);
+    Py_CLEAR(self->policy);
+    Py_CLEAR(self->choose);
+    Py_CLEAR(self->ctx);
+    Py_CLEAR(self->tensor_type);
+    Py_CLEAR(self->parameter_type);
+    Py_CLEAR(self->keep_type);
+    Py_CLEAR(self->copies);
+    Py_CLEAR(self->sequence_nr);
+    return 0;
+}
+
+static void Hooks_dealloc(HooksObject *self) {
+    PyObject_GC_UnTrack(self);
+    Hooks_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* An integer attribute (or a method's result, call != 0) as a Py_ssize_t; -1 with an
+ * error set on failure (callers clear it and take the slow path). */
+static Py_ssize_t attr_ssize(PyObject *obj, PyObject *name, int call) {
+    PyObject *value = call ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    Py_ssize_t n = PyLong_AsSsize_t(value);
+    Py_DECREF(value);
+    if (n == -1 && !PyErr_Occurred())
+        return -2; /* a real -1: never a size, an address or a sequence number here */
+    return n;
+}
+
+/* Whether an attribute is true: 1, 0, or -1 on an error. */
+static int attr_true(PyObject *obj, PyObject *name) {
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+#define SLOW 1 /* hand the tensor to the Python hook */
+#define FAIL -1
+
+/* Rule 1 of NOTE [ Session ] for a plain Tensor: what to hold of it (see stash._held).
+ * Sets *held (a new reference) and *grad_fn (new, maybe None); 0, SLOW or FAIL. */
+static int held_of(HooksObject *self, PyObject *tensor, PyObject **held, PyObject **grad_fn) {
+    *held = NULL;
+    *grad_fn = PyObject_GetAttr(tensor, s_grad_fn);
+    if (*grad_fn == NULL)
+        return SLOW;
+    if (*grad_fn != Py_None) {
+        Py_ssize_t mine = attr_ssize(*grad_fn, s_sequence_nr, 1);
+        if (mine < 0)
+            return SLOW;
+        PyObject *next = PyObject_CallNoArgs(self->sequence_nr);
+        if (next == NULL)
+            return SLOW;
+        Py_ssize_t last = PyLong_AsSsize_t(next) - 1;
+        Py_DECREF(next);
+        if (last == -2 && PyErr_Occurred())
+            return SLOW;
+        if (mine == last) {
+            *held = PyObject_CallMethodNoArgs(tensor, s_detach);
+            return *held == NULL ? SLOW : 0;
+        }
+    }
+    Py_INCREF(tensor);
+    *held = tensor;
+    return 0;
+}
+
+/* Rule 1's eligibility past min_bytes (stash._ineligible): 0 eligible, SLOW otherwise. */
+static int eligible(HooksObject *self, PyObject *tensor, PyObject *grad_fn) {
+    if (grad_fn == Py_None) {
+        int leaf = attr_true(tensor, s_requires_grad);
+        if (leaf != 0)
+            return SLOW;
+    } else {
+        int copy = PySet_Contains(self->copies, (PyObject *)Py_TYPE(grad_fn));
+        if (copy != 0)
+            return SLOW;
+    }
+    PyObject *base = PyObject_GetAttr(tensor, s_base);
+    if (base == NULL)
+        return SLOW;
+    int verdict = 0;
+    if (base != Py_None) {
+        if ((PyObject *)Py_TYPE(base) == self->parameter_type)
+            verdict = SLOW;
+        else {
+            int grad = attr_true(base, s_requires_grad);
+            int leaf = grad == 1 ? attr_true(base, s_is_leaf) : grad;
+            if (grad != 0 && leaf != 0)
+                verdict = SLOW; /* a view of a leaf that requires grad, or an error */
+        }
+    }
+    Py_DECREF(base);
+    return verdict;
+}
+
+/* Whether the tensor at ``address`` may be module state: SLOW if so (or unknown), 0 not.
+ * _modules.state_kind's miss, without its re-read: modules entered since the last
+ * re-read send the tensor to the Python hook, which re-reads them. */
+static int maybe_state(HooksObject *self, PyObject *address) {
+    if (PyThread_get_thread_ident() != self->owner)
+        return SLOW; /* a pack on a backward thread: the Python hook reads that thread's modules */
+    PyObject *found = PyDict_GetItemWithError(self->state, address);
+    if (found != NULL || PyErr_Occurred())
+        return SLOW;
+    Py_ssize_t reread = attr_ssize(self->thread, s_reread, 0);
+    if (reread < 0)
+        return SLOW;
+    PyObject *stack = PyObject_GetAttr(self->thread, s_stack);
+    if (stack == NULL)
+        return SLOW;
+    Py_ssize_t depth = PyList_Check(stack) ? PyList_GET_SIZE(stack) : PY_SSIZE_T_MAX;
+    Py_DECREF(stack);
+    return reread >= depth ? 0 : SLOW;
+}
+
+/* Rule 3's add (stash._Dedupe.add) for a new address: -1 on an error. */
+static int dedupe_add(HooksObject *self, PyObject *value, PyObject *address) {
+    PyObject *ref = PyWeakref_NewRef(value, NULL);
+    if (ref == NULL)
+        return -1;
+    int failed = PyDict_SetItem(self->values, address, ref);
+    Py_DECREF(ref);
+    if (failed)
+        return -1;
+    if (PyDict_GET_SIZE(self->values) >= 1024) {
+        Py_ssize_t sweep_at = attr_ssize(self->dedupe, s_sweep_at, 0);
+        if (sweep_at < 0)
+            return -1;
+        if (PyDict_GET_SIZE(self->values) >= sweep_at) {
+            PyObject *done = PyObject_CallMethodNoArgs(self->dedupe, s_sweep);
+            if (done == NULL)
+                return -1;
+            Py_DECREF(done);
+        }
+    }
+    return 0;
+}
+
+/* The kept path of Session.pack: a new reference, NULL with an error, or Py_None
+ * (borrowed, not returned to Python) to hand the tensor to the Python hook. */
+static PyObject *pack_fast(HooksObject *self, PyObject *tensor) {
+    if ((PyObject *)Py_TYPE(tensor) != self->tensor_type)
+        return Py_None; /* parameters, DTensors, other subclasses */
+    Py_ssize_t nbytes = attr_ssize(tensor, s_nbytes, 0);
+    if (nbytes < 0) { /* sparse tensors have no plain size */
+        PyErr_Clear();
+        return Py_None;
+    }
+    PyObject *held, *grad_fn, *result = Py_None, *address = NULL, *version = NULL;
+    int slow = held_of(self, tensor, &held, &grad_fn);
+    if (slow)
+        goto done;
+    HotObject *hot = self->hot;
+    if (nbytes < self->min_bytes) {
+        version = PyObject_GetAttr(tensor, s_version);
+        if (version == NULL)
+            goto done;
+        result = PyTuple_Pack(2, held, version);
+        if (result != NULL) {
+            hot->small_tensors += 1;
+            hot->small_bytes += nbytes;
+        }
+        goto done;
+    }
+    if (eligible(self, tensor, grad_fn))
+        goto done;
+    address = PyObject_CallMethodNoArgs(tensor, s_data_ptr);
+    if (address == NULL || !PyLong_CheckExact(address) || !PyObject_IsTrue(address))
+        goto done; /* no storage (mkldnn, functorch wrappers), or no data */
+    if (maybe_state(self, address))
+        goto done;
+    if (hot->released) {
+        hot->live -= hot->released;
+        hot->released = 0;
+    }
+    if (nbytes) {
+        PyObject *entry = PyDict_GetItemWithError(self->values, address);
+        if (entry != NULL || PyErr_Occurred())
+            goto done; /* seen before: the Python hook compares geometry (rule 3) */
+    }
+    version = PyObject_GetAttr(tensor, s_version);
+    if (version == NULL)
+        goto done;
+    /* Rule 4: the selector's choice, or the policy. */
+    PyObject *choice = NULL, *policy = self->policy, *why = Py_None;
+    if (self->choose != Py_None) {
+        PyObject *args[3] = {tensor, self->ctx, Py_None};
+        choice = PyObject_Vectorcall(self->choose, args, 3, NULL);
+        if (choice == NULL) {
+            result = NULL;
+            goto done;
+        }
+        if (!PyTuple_Check(choice) || PyTuple_GET_SIZE(choice) != 2) {
+            Py_DECREF(choice);
+            PyErr_SetString(PyExc_TypeError,
+                            "tensorstash: a selector's choose must return (policy, reason); "
+                            "this is a bug in tensorstash");
+            result = NULL;
+            goto done;
+        }
+        policy = PyTuple_GET_ITEM(choice, 0);
+        why = PyTuple_GET_ITEM(choice, 1);
+    }
+    if ((PyObject *)Py_TYPE(policy) != self->keep_type) {
+        /* Session._pack(tensor, address, policy, why, record=None, wrapper=None) */
+        PyObject *call[7] = {self->session, tensor, address, policy, why, Py_None, Py_None};
+        result = PyObject_VectorcallMethod(s_pack_chosen, call, 7, NULL);
+        Py_XDECREF(choice);
+        goto done;
+    }
+    Py_XDECREF(choice);
+    PyObject *prev = PyObject_GetAttr(self->session, s_last);
+    if (prev == NULL) {
+        result = NULL;
+        goto done;
+    }
+    KeptObject *kept = kept_make(held, version, nbytes, hot, prev);
+    Py_DECREF(prev);
+    if (kept == NULL) {
+        result = NULL;
+        goto done;
+    }
+    Py_ssize_t tier_live = attr_ssize(self->kept_tier, s_live_bytes, 0);
+    if (tier_live < 0 || dedupe_add(self, (PyObject *)kept, address) < 0) {
+        Py_DECREF(kept); /* posts its bytes to released: counted below only on success */
+        hot->released -= nbytes;
+        result = NULL;
+        goto done;
+    }
+    hot->tensors += 1;
+    hot->bytes += nbytes;
+    hot->live += nbytes;
+    if (hot->live + tier_live > hot->peak)
+        hot->peak = hot->live + tier_live;
+    result = (PyObject *)kept;
+done:
+    if (result == Py_None && PyErr_Occurred())
+        PyErr_Clear(); /* a failed read: the Python hook asks again, and reports */
+    Py_XDECREF(held);
+    Py_XDECREF(grad_fn);
+    Py_XDECREF(address);
+    Py_XDECREF(version);
+    return result;
+}
+
+static PyObject *Hooks_pack(HooksObject *self, PyObject *tensor) {
+    PyObject *result = pack_fast(self, tensor);
+    if (result != Py_None)
+        return result;
+    return PyObject_CallOneArg(self->pack_slow, tensor);
+}
+
+static PyObject *Hooks_unpack(HooksObject *self, PyObject *saved) {
+    PyObject *tensor, *expected;
+    int kept = Py_IS_TYPE(saved, &KeptType);
+    if (kept) {
+        tensor = ((KeptObject *)saved)->tensor;
+        expected = ((KeptObject *)saved)->version;
+    } else if (PyTuple_CheckExact(saved) && PyTuple_GET_SIZE(saved) == 2) {
+        tensor = PyTuple_GET_ITEM(saved, 0);
+        expected = PyTuple_GET_ITEM(saved, 1);
+    } else {
+        return PyObject_CallOneArg(self->unpack_slow, saved);
+    }
+    PyObject *now = PyObject_GetAttr(tensor, s_version);
+    if (now == NULL)
+        return NULL;
+    int same = PyObject_RichCompareBool(now, expected, Py_EQ);
+    Py_DECREF(now);
+    if (same < 0)
+        return NULL;
+    if (!same) /* rule 2: the Python hook raises as autograd would */
+        return PyObject_CallOneArg(self->unpack_slow, saved);
+    if (kept) {
+        self->hot->unpacks += 1;
+        PyObject *prev = ((KeptObject *)saved)->prev;
+        if (prev != Py_None) { /* rule 6 */
+            PyObject *done = PyObject_CallMethodOneArg(self->session, s_prefetch_from, prev);
+            if (done == NULL)
+                return NULL;
+            Py_DECREF(done);
+        }
+    }
+    Py_INCREF(tensor);
+    return tensor;
+}
+
+static PyMethodDef Hooks_methods[] = {
+    {"pack", (PyCFunction)Hooks_pack, METH_O, "The pack hook to push."},
+    {"unpack", (PyCFunction)Hooks_unpack, METH_O, "The unpack hook to push."},
+    {NULL},
+};
+
+static PyMemberDef Hooks_members[] = {
+    {"session", T_OBJECT, offsetof(HooksObject, session), READONLY, NULL},
+    {NULL},
+};
+
+static PyTypeObject HooksType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tensorstash._fast.Hooks",
+    .tp_basicsize = sizeof(HooksObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A session's pack and unpack hooks, the kept path in C.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Hooks_init,
+    .tp_dealloc = (destructor)Hooks_dealloc,
+    .tp_traverse = (traverseproc)Hooks_traverse,
+    .tp_clear = (inquiry)Hooks_clear,
+    .tp_methods = Hooks_methods,
+    .tp_members = Hooks_members,
+};
+
+/* -- module ---------------------------------------------------------------------------- */
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "tensorstash._fast",
+    .m_doc = "The session's kept path in C (NOTE [ Fast path ] in tensorstash/_fastpath.py).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__fast(void) {
+    struct {
+        PyObject **slot;
+        const char *text;
+    } names[] = {
+        {&s_nbytes, "nbytes"},         {&s_grad_fn, "grad_fn"},
+        {&s_sequence_nr, "_sequence_nr"}, {&s_detach, "detach"},
+        {&s_version, "_version"},      {&s_requires_grad, "requires_grad"},
+        {&s_base, "_base"},            {&s_is_leaf, "is_leaf"},
+        {&s_data_ptr, "data_ptr"},     {&s_reread, "reread"},
+        {&s_stack, "stack"},           {&s_live_bytes, "live_bytes"},
+        {&s_last, "_last"},            {&s_sweep_at, "_sweep_at"},
+        {&s_sweep, "sweep"},           {&s_pack_chosen, "_pack"},
+        {&s_prefetch_from, "_prefetch_from"},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        *names[i].slot = PyUnicode_InternFromString(names[i].text);
+        if (*names[i].slot == NULL)
+            return NULL;
+    }
+    if (PyType_Ready(&HotType) < 0 || PyType_Ready(&KeptType) < 0 ||
+        PyType_Ready(&HooksType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "HotCounts", (PyObject *)&HotType) < 0 ||
+        PyModule_AddObjectRef(m, "Kept", (PyObject *)&KeptType) < 0 ||
+        PyModule_AddObjectRef(m, "Hooks", (PyObject *)&HooksType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

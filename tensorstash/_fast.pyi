@@ -1,0 +1,62 @@
+"""Types of the C extension (NOTE [ Fast path ] in _fastpath.py)."""
+
+from typing import Any
+
+class HotCounts:
+    small_tensors: int
+    small_bytes: int
+    tensors: int
+    bytes: int
+    live: int
+    peak: int
+    unpacks: int
+    @property
+    def released(self) -> int: ...
+    def release(self, nbytes: int, /) -> None: ...
+    def drain(self) -> None: ...
+    def pending(self) -> int: ...
+
+class Kept:
+    def __init__(
+        self, tensor: Any, version: int, nbytes: int, hot: HotCounts, prev: Any
+    ) -> None: ...
+    @property
+    def tensor(self) -> Any: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def prev(self) -> Any: ...
+    @property
+    def hot(self) -> HotCounts: ...
+    def geometry(self) -> tuple[Any, ...]: ...
+    def changed(self) -> bool: ...
+
+class Hooks:
+    def __init__(
+        self,
+        *,
+        session: Any,
+        pack: Any,
+        unpack: Any,
+        hot: HotCounts,
+        kept_tier: Any,
+        dedupe: Any,
+        values: dict[int, Any],
+        state: dict[int, Any],
+        thread: Any,
+        policy: Any,
+        choose: Any,
+        ctx: Any,
+        tensor_type: type,
+        parameter_type: type,
+        keep_type: type,
+        copies: frozenset[type],
+        sequence_nr: Any,
+        min_bytes: int,
+    ) -> None: ...
+    @property
+    def session(self) -> Any: ...
+    def pack(self, tensor: Any, /) -> Any: ...
+    def unpack(self, saved: Any, /) -> Any: ...
