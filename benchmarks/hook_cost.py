@@ -11,7 +11,8 @@ eligible; Auto's default budget keeps it); ``Keep`` with the default
 ``min_bytes`` (every tensor under it). Each cost is the median over the rounds
 less the median without hooks, per tensor (pack and unpack), and each is shown
 as a multiple of the identity hooks' cost. ``benchmarks/test_hooks.py`` is the
-pytest-benchmark version.
+pytest-benchmark version. ``TENSORSTASH_PURE_PYTHON=1`` in the environment measures
+the Python hooks (NOTE [ Fast path ] in tensorstash/_fastpath.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 import tensorstash as ts
+from tensorstash import _fastpath
 
 Variant = Callable[[], contextlib.AbstractContextManager[Any]]
 
@@ -78,6 +80,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    hooks = "C" if _fastpath.compiled is not None else "Python"
+    print(f"the kept path's hooks: {hooks}")
     costs = measure(args.tensors, args.rounds)
     floor = max(costs["identity hooks"], 1e-3)
     rows = []
@@ -86,7 +90,9 @@ def main() -> None:
         target = TARGETS.get(name)
         bar = f"  (target <= {target:.0f}x)" if target is not None else ""
         print(f"{name:22s} {cost:6.2f} us per tensor  {multiple:5.2f}x identity{bar}")
-        rows.append({"variant": name, "us_per_tensor": cost, "x_identity": multiple})
+        rows.append(
+            {"variant": name, "hooks": hooks, "us_per_tensor": cost, "x_identity": multiple}
+        )
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

@@ -19,13 +19,15 @@
 
 static PyObject *s_nbytes, *s_grad_fn, *s_sequence_nr, *s_detach, *s_version, *s_requires_grad,
     *s_base, *s_is_leaf, *s_data_ptr, *s_reread, *s_stack, *s_live_bytes, *s_last,
-    *s_sweep_at, *s_sweep, *s_pack_chosen, *s_prefetch_from;
+    *s_sweep_at, *s_sweep, *s_pack_chosen, *s_prefetch_from, *s_is_cpu;
 
 /* -- HotCounts ------------------------------------------------------------------------- */
 
 typedef struct {
     PyObject_HEAD
     Py_ssize_t small_tensors, small_bytes, tensors, bytes, live, peak, unpacks, released;
+    Py_ssize_t keep_limit, keep_left; /* a selector's keep limit (rule 6 of the NOTE) */
+    char keep_cpu;
 } HotObject;
 
 static PyTypeObject HotType;
@@ -35,7 +37,10 @@ static PyObject *Hot_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_TypeError, "HotCounts() takes no arguments");
         return NULL;
     }
-    return type->tp_alloc(type, 0); /* zeroed */
+    HotObject *self = (HotObject *)type->tp_alloc(type, 0); /* zeroed */
+    if (self != NULL)
+        self->keep_limit = -1;
+    return (PyObject *)self;
 }
 
 static PyObject *Hot_release(HotObject *self, PyObject *nbytes) {
@@ -70,7 +75,8 @@ static PyMethodDef Hot_methods[] = {
 static PyMemberDef Hot_members[] = {
     HOT_MEMBER(small_tensors), HOT_MEMBER(small_bytes), HOT_MEMBER(tensors),
     HOT_MEMBER(bytes),         HOT_MEMBER(live),        HOT_MEMBER(peak),
-    HOT_MEMBER(unpacks),
+    HOT_MEMBER(unpacks),       HOT_MEMBER(keep_limit),  HOT_MEMBER(keep_left),
+    {"keep_cpu", T_BOOL, offsetof(HotObject, keep_cpu), 0, NULL},
     {"released", T_PYSSIZET, offsetof(HotObject, released), READONLY, NULL},
     {NULL},
 };
@@ -476,34 +482,46 @@ static PyObject *pack_fast(HooksObject *self, PyObject *tensor) {
     version = PyObject_GetAttr(tensor, s_version);
     if (version == NULL)
         goto done;
-    /* Rule 4: the selector's choice, or the policy. */
-    PyObject *choice = NULL, *policy = self->policy, *why = Py_None;
-    if (self->choose != Py_None) {
-        PyObject *args[3] = {tensor, self->ctx, Py_None};
-        choice = PyObject_Vectorcall(self->choose, args, 3, NULL);
-        if (choice == NULL) {
-            result = NULL;
+    /* Rule 4: the selector's choice, or the policy; a selector's posted keep limit first. */
+    int posted = 0;
+    if (self->choose != Py_None && hot->keep_left > 0 && hot->live + nbytes <= hot->keep_limit) {
+        int on_cpu = attr_true(tensor, s_is_cpu);
+        if (on_cpu < 0)
             goto done;
-        }
-        if (!PyTuple_Check(choice) || PyTuple_GET_SIZE(choice) != 2) {
-            Py_DECREF(choice);
-            PyErr_SetString(PyExc_TypeError,
-                            "tensorstash: a selector's choose must return (policy, reason); "
-                            "this is a bug in tensorstash");
-            result = NULL;
-            goto done;
-        }
-        policy = PyTuple_GET_ITEM(choice, 0);
-        why = PyTuple_GET_ITEM(choice, 1);
+        posted = on_cpu == hot->keep_cpu;
     }
-    if ((PyObject *)Py_TYPE(policy) != self->keep_type) {
-        /* Session._pack(tensor, address, policy, why, record=None, wrapper=None) */
-        PyObject *call[7] = {self->session, tensor, address, policy, why, Py_None, Py_None};
-        result = PyObject_VectorcallMethod(s_pack_chosen, call, 7, NULL);
+    if (posted) {
+        hot->keep_left -= 1;
+    } else {
+        PyObject *choice = NULL, *policy = self->policy, *why = Py_None;
+        if (self->choose != Py_None) {
+            PyObject *args[3] = {tensor, self->ctx, Py_None};
+            choice = PyObject_Vectorcall(self->choose, args, 3, NULL);
+            if (choice == NULL) {
+                result = NULL;
+                goto done;
+            }
+            if (!PyTuple_Check(choice) || PyTuple_GET_SIZE(choice) != 2) {
+                Py_DECREF(choice);
+                PyErr_SetString(PyExc_TypeError,
+                                "tensorstash: a selector's choose must return (policy, reason); "
+                                "this is a bug in tensorstash");
+                result = NULL;
+                goto done;
+            }
+            policy = PyTuple_GET_ITEM(choice, 0);
+            why = PyTuple_GET_ITEM(choice, 1);
+        }
+        if ((PyObject *)Py_TYPE(policy) != self->keep_type) {
+            /* Session._pack(tensor, address, policy, why, record=None, wrapper=None) */
+            PyObject *call[7] = {self->session, tensor, address, policy, why, Py_None, Py_None};
+            result = PyObject_VectorcallMethod(s_pack_chosen, call, 7, NULL);
+            Py_XDECREF(choice);
+            hot->keep_left = 0; /* the tiers moved: the limit is stale */
+            goto done;
+        }
         Py_XDECREF(choice);
-        goto done;
     }
-    Py_XDECREF(choice);
     PyObject *prev = PyObject_GetAttr(self->session, s_last);
     if (prev == NULL) {
         result = NULL;
@@ -542,6 +560,7 @@ static PyObject *Hooks_pack(HooksObject *self, PyObject *tensor) {
     PyObject *result = pack_fast(self, tensor);
     if (result != Py_None)
         return result;
+    self->hot->keep_left = 0; /* whatever the Python hook does, a posted limit is stale */
     return PyObject_CallOneArg(self->pack_slow, tensor);
 }
 
@@ -628,7 +647,7 @@ PyMODINIT_FUNC PyInit__fast(void) {
         {&s_stack, "stack"},           {&s_live_bytes, "live_bytes"},
         {&s_last, "_last"},            {&s_sweep_at, "_sweep_at"},
         {&s_sweep, "sweep"},           {&s_pack_chosen, "_pack"},
-        {&s_prefetch_from, "_prefetch_from"},
+        {&s_prefetch_from, "_prefetch_from"}, {&s_is_cpu, "is_cpu"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         *names[i].slot = PyUnicode_InternFromString(names[i].text);

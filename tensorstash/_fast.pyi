@@ -10,6 +10,9 @@ class HotCounts:
     live: int
     peak: int
     unpacks: int
+    keep_limit: int
+    keep_left: int
+    keep_cpu: bool
     @property
     def released(self) -> int: ...
     def release(self, nbytes: int, /) -> None: ...

@@ -21,7 +21,13 @@ the same work in C:
    ``_Kept`` and ``HotCounts``, which behave the same.
 4. A freed ``Kept`` adds its bytes to ``HotCounts.released`` with the GIL held,
    on whatever thread frees it; the hooks' thread takes them off ``live``.
-5. The extension is optional: built when a compiler is there, skipped
+5. A selector may let the C pack keep tensors without asking it. Its choose
+   posts in ``HotCounts`` how far ``live`` may grow (``keep_limit``), for
+   tensors on which side (``keep_cpu``) and for how many (``keep_left``). Any
+   pack the Python hooks or a policy handle ends the posting, as does the last
+   of ``keep_left``: then the selector is asked again. Auto posts its rule 4
+   (see ``_AutoState.choose``).
+6. The extension is optional: built when a compiler is there, skipped
    otherwise. ``TENSORSTASH_PURE_PYTHON=1`` in the environment, read at import,
    turns it off; the test suite runs its core files that way too.
 """

@@ -287,11 +287,20 @@ class Auto:
     host_probe: Probe = host_memory
     clock: Callable[[], float] = time.monotonic
 
+    # Parsed once, and the probes' readings shared by this Auto's sessions (each
+    # reading kept refresh_s): a session opens at every step.
+    _parsed: tuple[Any, Any] = field(init=False, repr=False, compare=False, default=(None, 0))
+    _probes: Any = field(init=False, repr=False, compare=False, default=None)
+
     def __post_init__(self) -> None:
         api = "tensorstash.Auto"
+        budget = None
         if self.device_budget is not None:
-            parse_bytes(self.device_budget, api, "device_budget")
-        parse_bytes(self.host_reserve, api, "host_reserve")
+            budget = parse_bytes(self.device_budget, api, "device_budget")
+        reserve = parse_bytes(self.host_reserve, api, "host_reserve")
+        object.__setattr__(self, "_parsed", (budget, reserve))
+        probes = Select(_unused_rule, self.device_probe, self.host_probe, clock=self.clock)
+        object.__setattr__(self, "_probes", probes)
         check_directory(self.directory, api)
         check_probes(self, api)
         if self.trim_every not in (None, "auto"):
@@ -350,6 +359,9 @@ TRIM_LEAST = 16 << 20
 RECENT_SHARE = 4
 """Auto keeps the tensors saved last in the last 1/RECENT_SHARE of its budget (rule 5)."""
 
+POSTED_KEEPS = 64
+"""How many tensors the C pack keeps under Auto's posted limit before asking it again."""
+
 Choice = tuple[Policy | Defer, Reason]
 """A policy (or a deferral) and why."""
 
@@ -363,7 +375,7 @@ class _AutoState:
         tiers = ctx.stats.tiers
         self.kept, self.host = tiers["kept"], tiers["host"]
         self.hot = ctx.stats.hot  # kept bytes the session counts without a lock
-        self.select = Select(_unused_rule, auto.device_probe, auto.host_probe, clock=auto.clock)
+        self.select: Select = auto._probes
         self.keep = Keep()
         self.budget = -1
         self.window = 0
@@ -406,6 +418,7 @@ class _AutoState:
         """
         profile = self.profile
         self.learning_now = profile is not None and profile.learning
+        self.hot.keep_left = 0  # nothing posted carries across steps
         if profile is not None and torch.is_grad_enabled():
             if self.auto.recompute and profile.steps:
                 warm_up()
@@ -429,6 +442,7 @@ class _AutoState:
                 device = next((p.device for p in module.parameters()), _HOST)
             self._resolve_limits(device)
         self.plan = self._plan(module)
+        self.hot.keep_left = 0  # the plan decides from here
         if self.plan is not None:
             self._recompute(self.plan.recompute)
             self._watch(self.plan)
@@ -544,6 +558,14 @@ class _AutoState:
             and held <= self.keep_below
             and not (on_host and (self.learning_now or nbytes > self._headroom()))
         ):
+            # Posted for the C pack (rule 5 of NOTE [ Fast path ]): the kept bytes may
+            # grow to the budget less the window and the other tiers' bytes; on the
+            # CPU, by at most the headroom just read.
+            hot = self.hot
+            limit = self.keep_below - (held - nbytes - hot.live)
+            if on_host:
+                limit = min(limit, hot.live + self.headroom)
+            hot.keep_limit, hot.keep_cpu, hot.keep_left = limit, on_host, POSTED_KEEPS
             return self.keep_under_budget
         return (
             self.planned(tensor, nbytes, held, site)
@@ -624,16 +646,14 @@ class _AutoState:
         return self.headroom
 
     def _resolve_limits(self, device: torch.device) -> None:
-        api = "tensorstash.Auto"
         self.device_type = device.type
         free, total = self.select._read("device", device, self.auto.device_probe)
-        budget = self.auto.device_budget
-        parsed = None if budget is None else parse_bytes(budget, api, "device_budget")
+        parsed, reserve = self.auto._parsed
         self.budget = free // 2 if parsed is None else _resolve_budget(parsed, total)
         self.window = self.budget // RECENT_SHARE
         self.keep_below = self.budget - self.window
-        reserve = parse_bytes(self.auto.host_reserve, api, "host_reserve")
-        self.reserve = _resolve_budget(reserve, self.auto.host_probe(_HOST)[1])
+        host_total = self.select._read("host", _HOST, self.auto.host_probe)[1]
+        self.reserve = _resolve_budget(reserve, host_total)
 
     device_type = "cpu"
 

@@ -57,10 +57,17 @@ class _HotCounts:
         live: bytes of those held now; ``peak``: the most held in the tier at once.
         unpacks: unpacks of those tensors.
         released: true while freed kept tensors' bytes are not yet off ``live``.
+        keep_limit, keep_cpu, keep_left: a selector's posted keep limit: the C
+            pack keeps up to ``keep_left`` tensors (CPU ones if ``keep_cpu``,
+            others if not) without asking it while ``live`` stays within
+            ``keep_limit`` (rule 6 of NOTE [ Fast path ]).
     """
 
     __slots__ = (
         "bytes",
+        "keep_cpu",
+        "keep_left",
+        "keep_limit",
         "live",
         "peak",
         "released",
@@ -74,6 +81,7 @@ class _HotCounts:
         self.small_tensors = self.small_bytes = 0
         self.tensors = self.bytes = self.live = self.peak = self.unpacks = 0
         self.released: collections.deque[int] = collections.deque()
+        self.keep_limit, self.keep_cpu, self.keep_left = -1, False, 0
 
     def release(self, nbytes: int) -> None:
         """Post the bytes of a kept tensor freed, on any thread."""
