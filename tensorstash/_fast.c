@@ -21,6 +21,48 @@ static PyObject *s_nbytes, *s_grad_fn, *s_sequence_nr, *s_detach, *s_version, *s
     *s_base, *s_is_leaf, *s_data_ptr, *s_reread, *s_stack, *s_live_bytes, *s_last,
     *s_sweep_at, *s_sweep, *s_pack_chosen, *s_prefetch_from, *s_is_cpu;
 
+/* -- a tensor's fields ----------------------------------------------------------------- */
+
+/* The getters of torch.Tensor's C fields, called directly for a plain Tensor: what
+ * PyObject_GetAttr calls after looking them up (the same getter, the same checks). */
+enum { F_NBYTES, F_GRAD_FN, F_VERSION, F_BASE, F_REQUIRES_GRAD, F_IS_CPU, F_COUNT };
+
+static struct {
+    PyObject **name;
+    getter get;
+    void *closure;
+} fields[F_COUNT] = {
+    {&s_nbytes}, {&s_grad_fn}, {&s_version}, {&s_base}, {&s_requires_grad}, {&s_is_cpu},
+};
+static PyObject *fields_of; /* the type whose getters ``fields`` holds */
+
+static int resolve_fields(PyObject *tensor_type) {
+    if (fields_of == tensor_type)
+        return 0;
+    for (int i = 0; i < F_COUNT; i++) {
+        PyObject *descr = PyObject_GetAttr(tensor_type, *fields[i].name);
+        if (descr == NULL)
+            return -1;
+        if (Py_IS_TYPE(descr, &PyGetSetDescr_Type)) {
+            PyGetSetDef *def = ((PyGetSetDescrObject *)descr)->d_getset;
+            fields[i].get = def->get;
+            fields[i].closure = def->closure;
+        } else {
+            fields[i].get = NULL; /* a Python property: read it as an attribute */
+        }
+        Py_DECREF(descr);
+    }
+    Py_INCREF(tensor_type);
+    Py_XSETREF(fields_of, tensor_type);
+    return 0;
+}
+
+static PyObject *field(PyObject *tensor, int which) {
+    if ((PyObject *)Py_TYPE(tensor) == fields_of && fields[which].get != NULL)
+        return fields[which].get(tensor, fields[which].closure);
+    return PyObject_GetAttr(tensor, *fields[which].name);
+}
+
 /* -- HotCounts ------------------------------------------------------------------------- */
 
 typedef struct {
@@ -149,7 +191,7 @@ static void Kept_dealloc(KeptObject *self) {
 
 /* Whether the tensor changed in place since it was saved: -1 on an error. */
 static int kept_changed(KeptObject *self) {
-    PyObject *now = PyObject_GetAttr(self->tensor, s_version);
+    PyObject *now = field(self->tensor, F_VERSION);
     if (now == NULL)
         return -1;
     int same = PyObject_RichCompareBool(now, self->version, Py_EQ);
@@ -258,6 +300,8 @@ static int Hooks_init(HooksObject *self, PyObject *args, PyObject *kwargs) {
         Py_INCREF(o[i]);
         Py_XSETREF(*slots[i], o[i]);
     }
+    if (resolve_fields(self->tensor_type) < 0)
+        return -1;
     self->min_bytes = min_bytes;
     self->owner = PyThread_get_thread_ident();
     return 0;
@@ -341,7 +385,7 @@ static int attr_true(PyObject *obj, PyObject *name) {
  * Sets *held (a new reference) and *grad_fn (new, maybe None); 0, SLOW or FAIL. */
 static int held_of(HooksObject *self, PyObject *tensor, PyObject **held, PyObject **grad_fn) {
     *held = NULL;
-    *grad_fn = PyObject_GetAttr(tensor, s_grad_fn);
+    *grad_fn = field(tensor, F_GRAD_FN);
     if (*grad_fn == NULL)
         return SLOW;
     if (*grad_fn != Py_None) {
@@ -368,7 +412,9 @@ static int held_of(HooksObject *self, PyObject *tensor, PyObject **held, PyObjec
 /* Rule 1's eligibility past min_bytes (stash._ineligible): 0 eligible, SLOW otherwise. */
 static int eligible(HooksObject *self, PyObject *tensor, PyObject *grad_fn) {
     if (grad_fn == Py_None) {
-        int leaf = attr_true(tensor, s_requires_grad);
+        PyObject *grad = field(tensor, F_REQUIRES_GRAD);
+        int leaf = grad == NULL ? -1 : PyObject_IsTrue(grad);
+        Py_XDECREF(grad);
         if (leaf != 0)
             return SLOW;
     } else {
@@ -376,7 +422,7 @@ static int eligible(HooksObject *self, PyObject *tensor, PyObject *grad_fn) {
         if (copy != 0)
             return SLOW;
     }
-    PyObject *base = PyObject_GetAttr(tensor, s_base);
+    PyObject *base = field(tensor, F_BASE);
     if (base == NULL)
         return SLOW;
     int verdict = 0;
@@ -442,7 +488,9 @@ static int dedupe_add(HooksObject *self, PyObject *value, PyObject *address) {
 static PyObject *pack_fast(HooksObject *self, PyObject *tensor) {
     if ((PyObject *)Py_TYPE(tensor) != self->tensor_type)
         return Py_None; /* parameters, DTensors, other subclasses */
-    Py_ssize_t nbytes = attr_ssize(tensor, s_nbytes, 0);
+    PyObject *size = field(tensor, F_NBYTES);
+    Py_ssize_t nbytes = size == NULL ? -1 : PyLong_AsSsize_t(size);
+    Py_XDECREF(size);
     if (nbytes < 0) { /* sparse tensors have no plain size */
         PyErr_Clear();
         return Py_None;
@@ -453,7 +501,7 @@ static PyObject *pack_fast(HooksObject *self, PyObject *tensor) {
         goto done;
     HotObject *hot = self->hot;
     if (nbytes < self->min_bytes) {
-        version = PyObject_GetAttr(tensor, s_version);
+        version = field(tensor, F_VERSION);
         if (version == NULL)
             goto done;
         result = PyTuple_Pack(2, held, version);
@@ -479,13 +527,15 @@ static PyObject *pack_fast(HooksObject *self, PyObject *tensor) {
         if (entry != NULL || PyErr_Occurred())
             goto done; /* seen before: the Python hook compares geometry (rule 3) */
     }
-    version = PyObject_GetAttr(tensor, s_version);
+    version = field(tensor, F_VERSION);
     if (version == NULL)
         goto done;
     /* Rule 4: the selector's choice, or the policy; a selector's posted keep limit first. */
     int posted = 0;
     if (self->choose != Py_None && hot->keep_left > 0 && hot->live + nbytes <= hot->keep_limit) {
-        int on_cpu = attr_true(tensor, s_is_cpu);
+        PyObject *cpu = field(tensor, F_IS_CPU);
+        int on_cpu = cpu == NULL ? -1 : PyObject_IsTrue(cpu);
+        Py_XDECREF(cpu);
         if (on_cpu < 0)
             goto done;
         posted = on_cpu == hot->keep_cpu;
@@ -576,7 +626,7 @@ static PyObject *Hooks_unpack(HooksObject *self, PyObject *saved) {
     } else {
         return PyObject_CallOneArg(self->unpack_slow, saved);
     }
-    PyObject *now = PyObject_GetAttr(tensor, s_version);
+    PyObject *now = field(tensor, F_VERSION);
     if (now == NULL)
         return NULL;
     int same = PyObject_RichCompareBool(now, expected, Py_EQ);
