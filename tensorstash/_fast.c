@@ -68,7 +68,7 @@ static PyObject *field(PyObject *tensor, int which) {
 typedef struct {
     PyObject_HEAD
     Py_ssize_t small_tensors, small_bytes, tensors, bytes, live, peak, unpacks, released;
-    Py_ssize_t keep_limit, keep_left; /* a selector's keep limit (rule 6 of the NOTE) */
+    Py_ssize_t keep_limit, keep_left; /* a selector's keep limit (rule 5 of the NOTE) */
     char keep_cpu;
 } HotObject;
 
@@ -93,9 +93,14 @@ static PyObject *Hot_release(HotObject *self, PyObject *nbytes) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Hot_drain(HotObject *self, PyObject *unused) {
+/* Take the bytes of freed kept tensors off ``live`` (on the hooks' thread). */
+static inline void hot_drain(HotObject *self) {
     self->live -= self->released;
     self->released = 0;
+}
+
+static PyObject *Hot_drain(HotObject *self, PyObject *unused) {
+    hot_drain(self);
     Py_RETURN_NONE;
 }
 
@@ -189,18 +194,19 @@ static void Kept_dealloc(KeptObject *self) {
     PyObject_Free(self);
 }
 
-/* Whether the tensor changed in place since it was saved: -1 on an error. */
-static int kept_changed(KeptObject *self) {
-    PyObject *now = field(self->tensor, F_VERSION);
+/* Whether ``tensor`` changed in place since it was saved at ``version`` (rule 2):
+ * 1, 0, or -1 on an error. */
+static int changed_since(PyObject *tensor, PyObject *version) {
+    PyObject *now = field(tensor, F_VERSION);
     if (now == NULL)
         return -1;
-    int same = PyObject_RichCompareBool(now, self->version, Py_EQ);
+    int same = PyObject_RichCompareBool(now, version, Py_EQ);
     Py_DECREF(now);
     return same < 0 ? -1 : !same;
 }
 
 static PyObject *Kept_changed(KeptObject *self, PyObject *unused) {
-    int changed = kept_changed(self);
+    int changed = changed_since(self->tensor, self->version);
     if (changed < 0)
         return NULL;
     return PyBool_FromLong(changed);
@@ -278,11 +284,28 @@ typedef struct {
 
 static PyTypeObject HooksType;
 
+/* The Hooks' references, in the order of Hooks_init's keyword arguments. */
+static const Py_ssize_t hooks_refs[] = {
+    offsetof(HooksObject, session),        offsetof(HooksObject, pack_slow),
+    offsetof(HooksObject, unpack_slow),    offsetof(HooksObject, hot),
+    offsetof(HooksObject, kept_tier),      offsetof(HooksObject, dedupe),
+    offsetof(HooksObject, values),         offsetof(HooksObject, state),
+    offsetof(HooksObject, thread),         offsetof(HooksObject, policy),
+    offsetof(HooksObject, choose),         offsetof(HooksObject, ctx),
+    offsetof(HooksObject, tensor_type),    offsetof(HooksObject, parameter_type),
+    offsetof(HooksObject, keep_type),      offsetof(HooksObject, copies),
+    offsetof(HooksObject, sequence_nr),
+};
+#define N_REFS ((int)(sizeof(hooks_refs) / sizeof(hooks_refs[0])))
+#define HOOKS_REF(self, i) ((PyObject **)((char *)(self) + hooks_refs[i]))
+
 static int Hooks_init(HooksObject *self, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"session", "pack", "unpack", "hot", "kept_tier", "dedupe", "values",
-                            "state", "thread", "policy", "choose", "ctx", "tensor_type", "parameter_type",
-                            "keep_type", "copies", "sequence_nr", "min_bytes", NULL};
-    PyObject *o[17];
+    static char *names[] = {"session", "pack",        "unpack",         "hot",
+                            "kept_tier", "dedupe",    "values",         "state",
+                            "thread",  "policy",      "choose",         "ctx",
+                            "tensor_type", "parameter_type", "keep_type", "copies",
+                            "sequence_nr", "min_bytes", NULL};
+    PyObject *o[N_REFS];
     Py_ssize_t min_bytes;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OOOO!OOO!O!OOOOOOOO!On:Hooks", names, &o[0],
                                      &o[1], &o[2], &HotType, &o[3], &o[4], &o[5], &PyDict_Type,
@@ -290,15 +313,9 @@ static int Hooks_init(HooksObject *self, PyObject *args, PyObject *kwargs) {
                                      &o[12], &o[13], &o[14], &PyFrozenSet_Type, &o[15], &o[16],
                                      &min_bytes))
         return -1;
-    PyObject **slots[] = {&self->session,     &self->pack_slow,      &self->unpack_slow,
-                          (PyObject **)&self->hot, &self->kept_tier, &self->dedupe,
-                          &self->values,      &self->state,          &self->thread,
-                          &self->policy,      &self->choose,      &self->ctx,            &self->tensor_type,
-                          &self->parameter_type, &self->keep_type,   &self->copies,
-                          &self->sequence_nr};
-    for (int i = 0; i < 17; i++) {
+    for (int i = 0; i < N_REFS; i++) {
         Py_INCREF(o[i]);
-        Py_XSETREF(*slots[i], o[i]);
+        Py_XSETREF(*HOOKS_REF(self, i), o[i]);
     }
     if (resolve_fields(self->tensor_type) < 0)
         return -1;
@@ -308,44 +325,14 @@ static int Hooks_init(HooksObject *self, PyObject *args, PyObject *kwargs) {
 }
 
 static int Hooks_traverse(HooksObject *self, visitproc visit, void *arg) {
-    Py_VISIT(self->session);
-    Py_VISIT(self->pack_slow);
-    Py_VISIT(self->unpack_slow);
-    Py_VISIT(self->hot);
-    Py_VISIT(self->kept_tier);
-    Py_VISIT(self->dedupe);
-    Py_VISIT(self->values);
-    Py_VISIT(self->state);
-    Py_VISIT(self->thread);
-    Py_VISIT(self->policy);
-    Py_VISIT(self->choose);
-    Py_VISIT(self->ctx);
-    Py_VISIT(self->tensor_type);
-    Py_VISIT(self->parameter_type);
-    Py_VISIT(self->keep_type);
-    Py_VISIT(self->copies);
-    Py_VISIT(self->sequence_nr);
+    for (int i = 0; i < N_REFS; i++)
+        Py_VISIT(*HOOKS_REF(self, i));
     return 0;
 }
 
 static int Hooks_clear(HooksObject *self) {
-    Py_CLEAR(self->session);
-    Py_CLEAR(self->pack_slow);
-    Py_CLEAR(self->unpack_slow);
-    Py_CLEAR(self->hot);
-    Py_CLEAR(self->kept_tier);
-    Py_CLEAR(self->dedupe);
-    Py_CLEAR(self->values);
-    Py_CLEAR(self->state);
-    Py_CLEAR(self->thread);
-    Py_CLEAR(self->policy);
-    Py_CLEAR(self->choose);
-    Py_CLEAR(self->ctx);
-    Py_CLEAR(self->tensor_type);
-    Py_CLEAR(self->parameter_type);
-    Py_CLEAR(self->keep_type);
-    Py_CLEAR(self->copies);
-    Py_CLEAR(self->sequence_nr);
+    for (int i = 0; i < N_REFS; i++)
+        Py_CLEAR(*HOOKS_REF(self, i));
     return 0;
 }
 
@@ -379,10 +366,9 @@ static int attr_true(PyObject *obj, PyObject *name) {
 }
 
 #define SLOW 1 /* hand the tensor to the Python hook */
-#define FAIL -1
 
 /* Rule 1 of NOTE [ Session ] for a plain Tensor: what to hold of it (see stash._held).
- * Sets *held (a new reference) and *grad_fn (new, maybe None); 0, SLOW or FAIL. */
+ * Sets *held (a new reference) and *grad_fn (new, maybe None); 0 or SLOW. */
 static int held_of(HooksObject *self, PyObject *tensor, PyObject **held, PyObject **grad_fn) {
     *held = NULL;
     *grad_fn = field(tensor, F_GRAD_FN);
@@ -518,10 +504,7 @@ static PyObject *pack_fast(HooksObject *self, PyObject *tensor) {
         goto done; /* no storage (mkldnn, functorch wrappers), or no data */
     if (maybe_state(self, address))
         goto done;
-    if (hot->released) {
-        hot->live -= hot->released;
-        hot->released = 0;
-    }
+    hot_drain(hot);
     if (nbytes) {
         PyObject *entry = PyDict_GetItemWithError(self->values, address);
         if (entry != NULL || PyErr_Occurred())
@@ -626,14 +609,10 @@ static PyObject *Hooks_unpack(HooksObject *self, PyObject *saved) {
     } else {
         return PyObject_CallOneArg(self->unpack_slow, saved);
     }
-    PyObject *now = field(tensor, F_VERSION);
-    if (now == NULL)
+    int changed = changed_since(tensor, expected);
+    if (changed < 0)
         return NULL;
-    int same = PyObject_RichCompareBool(now, expected, Py_EQ);
-    Py_DECREF(now);
-    if (same < 0)
-        return NULL;
-    if (!same) /* rule 2: the Python hook raises as autograd would */
+    if (changed) /* rule 2: the Python hook raises as autograd would */
         return PyObject_CallOneArg(self->unpack_slow, saved);
     if (kept) {
         self->hot->unpacks += 1;

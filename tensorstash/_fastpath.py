@@ -43,5 +43,5 @@ if os.environ.get("TENSORSTASH_PURE_PYTHON", "") not in ("", "0"):
 else:
     try:
         from tensorstash import _fast as compiled
-    except ImportError:  # built without a compiler: the Python hooks (rule 5)
+    except ImportError:  # built without a compiler: the Python hooks (rule 6)
         compiled = None
