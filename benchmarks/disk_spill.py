@@ -13,8 +13,11 @@ within one round (the machine's speed drifts between rounds, not within one).
 - ``memory``: a training step of the bench's ``small`` model and of an HF
   GPT-2 config (4 layers, d=256, batch 4x128; needs transformers) with no
   stash and with ``disk`` (and any other policy named): the step time against
-  no stash, and the real peak RSS growth over the step (Linux's ``VmHWM``,
-  reset before the step, after ``gc.collect()`` and ``malloc_trim(0)``).
+  no stash, the real peak RSS growth over the step (Linux's ``VmHWM``, reset
+  before the step, after ``gc.collect()`` and ``malloc_trim(0)``), and the
+  bytes the step faulted in (rule 7 of NOTE [ Real memory ]): memory a spill
+  hands back to the OS is faulted in again when the heap reuses it.
+  ``disk-untrimmed`` (``trim_every=None``) shows that trade.
 
 Run: python benchmarks/disk_spill.py [throughput|memory|all] [--rounds 8]
      [--directory DIR] [--models small,gpt2] [--policies disk,lz4+disk]
@@ -45,6 +48,7 @@ KINDS = {
 }
 POLICIES: dict[str, Callable[[Path], Any]] = {
     "disk": lambda root: ts.DiskSpill(directory=root),
+    "disk-untrimmed": lambda root: ts.DiskSpill(directory=root, trim_every=None),
     "lz4+disk": lambda root: ts.Chain(ts.Lz4(), ts.DiskSpill(directory=root)),
     "lz4": lambda root: ts.Lz4(),
 }
@@ -141,6 +145,7 @@ def memory(root: Path, rounds: int, models: list[str], policies: list[str]) -> N
                 _step(model, loss_of, make())
         times: dict[str, list[float]] = {v: [] for v in variants}
         peaks: dict[str, list[int]] = {v: [] for v in variants}
+        faulted: dict[str, list[int]] = {v: [] for v in variants}
         for index in range(rounds):
             order = list(variants) if index % 2 == 0 else list(reversed(variants))
             for variant in order:
@@ -148,6 +153,7 @@ def memory(root: Path, rounds: int, models: list[str], policies: list[str]) -> N
                 with PeakRss() as meter:
                     times[variant].append(_step(model, loss_of, variants[variant]()))
                 peaks[variant].append(meter.delta_bytes)
+                faulted[variant].append(meter.faulted_bytes or 0)
         none_peak = statistics.median(peaks["none"])
         print(f"{name}: {rounds} rounds, medians; step against none of the same round")
         for variant in variants:
@@ -156,9 +162,10 @@ def memory(root: Path, rounds: int, models: list[str], policies: list[str]) -> N
             )
             peak = statistics.median(peaks[variant])
             print(
-                f"  {variant:9s} step {statistics.median(times[variant]) * 1e3:6.0f} ms "
+                f"  {variant:14s} step {statistics.median(times[variant]) * 1e3:6.0f} ms "
                 f"x{over:.2f}  peak RSS growth {peak / MiB:6.1f} MiB "
-                f"({peak / max(none_peak, 1):.2f} of none's)"
+                f"({peak / max(none_peak, 1):.2f} of none's)  "
+                f"faulted {statistics.median(faulted[variant]) / MiB:6.1f} MiB"
             )
 
 

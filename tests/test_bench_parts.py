@@ -4,6 +4,7 @@ meters and the figure. The whole runs are in test_bench.py."""
 from __future__ import annotations
 
 import math
+import mmap
 import statistics
 import sys
 import time
@@ -162,6 +163,21 @@ def test_peak_rss_of_a_region_that_allocates_nothing_is_small() -> None:
     with PeakRss() as meter:
         sum(range(1000))
     assert meter.delta_bytes < 8 * MIB
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="minor page faults as Linux counts them")
+def test_peak_rss_counts_the_bytes_a_region_faults_in_not_those_already_resident() -> None:
+    payload = b"\1" * (32 * MIB)  # made, and faulted in, before either region
+    region = mmap.mmap(-1, 32 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with PeakRss() as fresh:
+        region.write(payload)  # the first touch of every page
+    region.seek(0)
+    with PeakRss() as again:
+        region.write(payload)  # the same pages, now resident
+    region.close()
+    assert fresh.faulted_bytes is not None and again.faulted_bytes is not None
+    assert fresh.faulted_bytes >= 30 * MIB
+    assert again.faulted_bytes < fresh.faulted_bytes - 24 * MIB
 
 
 # -- --plot --------------------------------------------------------------------------------
