@@ -49,7 +49,7 @@ except ImportError:  # not on Windows
 import psutil
 import torch
 
-from tensorstash._trim import release_free_heap, resident_bytes
+from tensorstash._trim import PAGE_SIZE, release_free_heap, resident_bytes
 
 
 def current_rss() -> int:
@@ -93,9 +93,6 @@ def _minor_faults() -> int | None:
     if resource is None:
         return None
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
-
-
-_PAGE = 4096 if resource is None else resource.getpagesize()
 
 
 class PeakRss:
@@ -160,7 +157,7 @@ class PeakRss:
         self.delta_bytes = max(0, peak - self._start)
         faults = _minor_faults()
         if faults is not None and self._faults is not None:
-            self.faulted_bytes = (faults - self._faults) * _PAGE
+            self.faulted_bytes = (faults - self._faults) * PAGE_SIZE
 
     def _sample(self) -> None:
         while not self._stop.wait(self._interval_s):

@@ -87,10 +87,11 @@ def release_free_heap() -> None:
 def resident_bytes() -> int:
     """The process's resident set in bytes (Linux ``/proc/self/statm``)."""
     with open("/proc/self/statm", "rb") as statm:
-        return int(statm.read().split()[1]) * _PAGE
+        return int(statm.read().split()[1]) * PAGE_SIZE
 
 
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+"""The size of a memory page in bytes."""
 
 
 class Trimmer:
