@@ -519,7 +519,7 @@ class _AutoState:
             every = max(TRIM_LEAST, plan.activation_bytes * 3 // 4)
         stats = self.stats
         self.watch = Watch(int(parse_bytes(every, "tensorstash.Auto", "trim_every")),
-                           lambda: _holding(stats))  # fmt: skip
+                           lambda: _holding(stats), counted=stats.returned)  # fmt: skip
         self.watch.start()
 
     def _without_cache(self, root: nn.Module) -> None:

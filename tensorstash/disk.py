@@ -355,7 +355,9 @@ class DiskSpill:
         return packed
 
     def _trimmer(self, ctx: Context) -> Trimmer:
-        trimmer: Trimmer = ctx.resource("disk-trim", lambda: Trimmer(self.trim_every))
+        trimmer: Trimmer = ctx.resource(
+            "disk-trim", lambda: Trimmer(self.trim_every, counted=ctx.stats.returned)
+        )
         return trimmer
 
     def unpack(self, packed: Packed, ctx: Context) -> Tensor | Packed:

@@ -167,6 +167,8 @@ class StashStats:
     deduplicated: int = 0
     unpacks: int = 0
     inside_recompute: int = 0
+    returned_bytes: int = 0
+    returns: int = 0
     hot: HotCounts = field(default_factory=HotCounts, repr=False, compare=False)
     _log: list[Decision | dict[str, Any]] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -246,6 +248,16 @@ class StashStats:
         with self._lock:
             self.fallbacks[reason] += 1
 
+    def returned(self, nbytes: int) -> None:
+        """Count one hand-back of free memory to the OS, and the bytes the resident set fell by.
+
+        NOTE [ Returning memory ] in _trim.py, rule 7: the bytes are faulted in
+        again when the process reuses them.
+        """
+        with self._lock:
+            self.returns += 1
+            self.returned_bytes += nbytes
+
     def timed(self, kind: Literal["pack", "unpack", "wait"], seconds: float) -> None:
         with self._lock:
             if kind == "pack":
@@ -310,6 +322,8 @@ class StashStats:
                 "unpacks": self.unpacks,
                 "deduplicated": self.deduplicated,
                 "inside_recompute": self.inside_recompute,
+                "returned_bytes": self.returned_bytes,
+                "returns": self.returns,
                 "skipped": dict(self.skipped),
                 "fallbacks": dict(self.fallbacks),
                 "decisions": [_row(entry) for entry in self._log],
@@ -349,6 +363,8 @@ class StashStats:
             self.unpacks += data["unpacks"]
             self.deduplicated += data["deduplicated"]
             self.inside_recompute += data.get("inside_recompute", 0)
+            self.returned_bytes += data.get("returned_bytes", 0)
+            self.returns += data.get("returns", 0)
             self.skipped.update(data["skipped"])
             self.fallbacks.update(data["fallbacks"])
             if decisions:
@@ -375,8 +391,9 @@ class StashStats:
         ``<tier>_bytes`` (original size) and ``<tier>_stored_bytes`` (after
         compression), each divided by ``per`` (a mean over ``per`` steps merged
         together), and ``<tier>_peak_bytes``; then ``compression_ratio``, and
-        ``pack_seconds``, ``unpack_seconds`` and ``wait_seconds`` divided by
-        ``per``. Keys start with ``prefix``.
+        ``pack_seconds``, ``unpack_seconds``, ``wait_seconds`` and
+        ``returned_bytes`` (memory handed back to the OS) divided by ``per``.
+        Keys start with ``prefix``.
         """
         data = self.to_dict()
         out: dict[str, float] = {}
@@ -385,7 +402,7 @@ class StashStats:
                 out[f"{prefix}{name}_{key}"] = counters[key] / per
             out[f"{prefix}{name}_peak_bytes"] = float(counters["peak_bytes"])
         out[f"{prefix}compression_ratio"] = float(data["compression_ratio"])
-        for key in ("pack_seconds", "unpack_seconds", "wait_seconds"):
+        for key in ("pack_seconds", "unpack_seconds", "wait_seconds", "returned_bytes"):
             out[f"{prefix}{key}"] = data[key] / per
         return out
 
@@ -420,6 +437,11 @@ class StashStats:
             f"unpack {data['unpack_seconds']:.3f}s  wait {data['wait_seconds']:.3f}s  "
             f"deduplicated {data['deduplicated']}"
         )
+        if data["returns"]:
+            lines.append(
+                f"handed back to the OS: {human_bytes(data['returned_bytes'])} in "
+                f"{data['returns']} call(s), faulted in again when reused"
+            )
         if data["inside_recompute"]:
             lines.append(
                 f"opened inside a recomputed region {data['inside_recompute']} time(s): "

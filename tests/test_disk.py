@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import tensorstash as ts
-from tensorstash import _spilldir, disk
+from tensorstash import _spilldir, _trim, disk
 from tensorstash.policy import Context
 from tensorstash.stats import StashStats
 
@@ -32,6 +32,22 @@ def spilled_step(parent: Path) -> tuple[torch.Tensor, torch.Tensor, ts.Session]:
     with ts.stash(ts.DiskSpill(parent), min_bytes=0) as session:
         y = (x * 2).sin()
     return x, y, session
+
+
+@pytest.mark.skipif(_trim.malloc_trim() is None, reason="no malloc_trim here")
+def test_disk_spill_counts_the_memory_it_hands_back(tmp_path: Path) -> None:
+    x = torch.randn(1 << 20, requires_grad=True)
+    with ts.stash(ts.DiskSpill(tmp_path, trim_every=1), min_bytes=0) as session:
+        y = x
+        for _ in range(4):
+            y = (y * 2).sin()  # each saves a new 4 MiB tensor: the resident set grows
+    y.sum().backward()
+    assert session.stats.returns >= 1
+    assert "handed back to the OS" in session.stats.table()
+    with ts.stash(ts.DiskSpill(tmp_path, trim_every=None), min_bytes=0) as untrimmed:
+        y = (x * 2).sin()
+    y.sum().backward()
+    assert untrimmed.stats.returns == 0
 
 
 def test_disk_spill_files_are_private(tmp_path: Path) -> None:

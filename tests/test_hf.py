@@ -292,7 +292,13 @@ KEYS = {
     for field in ("tensors", "bytes", "stored_bytes", "peak_bytes")
 } | {
     f"tensorstash/{key}"
-    for key in ("compression_ratio", "pack_seconds", "unpack_seconds", "wait_seconds")
+    for key in (
+        "compression_ratio",
+        "pack_seconds",
+        "unpack_seconds",
+        "wait_seconds",
+        "returned_bytes",
+    )
 }
 
 

@@ -518,6 +518,12 @@ def test_auto_trims_in_a_planned_cpu_step_until_its_tensors_are_freed() -> None:
         loss = model(data())
     assert session.plan is not None and session.plan.choices
     assert _trim_threads()  # alive while the graph holds saved tensors
+    grown = torch.ones(4 << 20)  # 16 MiB touched: the resident set grows, the thread trims
+    deadline = time.monotonic() + 5
+    while session.stats.returns == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert session.stats.returns >= 1  # each hand-back is counted
+    del grown
     loss.backward()
     assert _no_trim_thread_within()
     with ts.stash(auto, profile=profile):  # a graph dropped without backward

@@ -192,6 +192,27 @@ def test_trimmer_releases_once_the_resident_set_grew() -> None:
     assert trimmer.calls == 1
 
 
+def test_trimmer_counts_each_call_and_the_bytes_the_resident_set_fell_by() -> None:
+    memory = FakeMemory()
+    stats = ts.StashStats()
+    trimmer = Trimmer(16 << 20, memory.release, memory.resident, counted=stats.returned)
+    memory.bytes += 15 << 20
+    trimmer.moved()
+    assert (stats.returns, stats.returned_bytes) == (0, 0)
+    memory.bytes += 1 << 20
+    trimmer.moved()
+    assert (stats.returns, stats.returned_bytes) == (1, 8 << 20)
+    memory.bytes += 24 << 20  # 16 MiB above what the last call left
+    trimmer.moved()
+    assert (stats.returns, stats.returned_bytes) == (2, 16 << 20)
+    data = stats.to_dict()
+    assert (data["returns"], data["returned_bytes"]) == (2, 16 << 20)
+    assert "handed back to the OS: 16.0 MiB in 2 call(s)" in stats.table()
+    assert stats.metrics(per=2)["tensorstash/returned_bytes"] == 8 << 20
+    total = ts.StashStats.combined([stats, data])
+    assert (total.returns, total.returned_bytes) == (4, 32 << 20)
+
+
 def test_trimmer_without_a_release_never_reads_memory() -> None:
     def resident() -> int:
         raise AssertionError("read the resident set")
