@@ -118,7 +118,7 @@ class Trimmer:
             None where there is none).
         resident: reads the resident set in bytes.
         counted: told, after each call, how many bytes the resident set fell
-            by (rule 8): ``StashStats.returned``.
+            by (rule 7): ``StashStats.returned``.
 
     Example:
         >>> trimmer = Trimmer(16 << 20)
