@@ -187,6 +187,38 @@ def test_profile_takes_the_peak_in_the_first_step_of_a_run_and_times_the_warm_on
     assert [cold for cold, _ in profile.module_history] == [True, False, False, True, False]
 
 
+def test_profile_takes_no_peak_in_a_step_that_imports_and_takes_it_in_the_next() -> None:
+    """What an import allocates stays for good (the first torch checkpoint of a process
+    imports torch._dynamo): a step that imported a module takes no real peak, the next
+    one does, and the plan predicts from that one."""
+    import sys
+    import types
+
+    class Importing(Net):
+        imports = 1
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.imports:
+                self.imports -= 1
+                name = "tensorstash_test_imported_in_a_step"
+                sys.modules[name] = types.ModuleType(name)
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model, profile = Importing(), ts.Profile(measure_steps=3, remeasure_every=0)
+    try:
+        step(model, batch(512), profile)
+        first = profile.history[-1]
+        assert first.cold and first.peak_bytes is None and profile.peak is None
+        step(model, batch(512), profile)
+        second = profile.history[-1]
+        assert second.cold and second.peak_bytes is not None and profile.peak is second
+        step(model, batch(512), profile)
+        assert not profile.history[-1].cold  # the peak was taken: the run goes on warm
+    finally:
+        sys.modules.pop("tensorstash_test_imported_in_a_step", None)
+
+
 def test_profile_module_times_from_a_cold_step_count_only_until_a_warm_one() -> None:
     from collections import deque
 
