@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import multiprocessing.util
 import os
 import shutil
@@ -23,6 +24,8 @@ PREFIX = "tensorstash-"
 _API = "tensorstash.DiskSpill"
 _FIX = "pass a writable directory you own, or directory=None for the system temporary one"
 _RAM_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+# What open() says where a file system makes no O_TMPFILE files.
+_NO_TMPFILE = frozenset({errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL})
 
 
 # -- checks ---------------------------------------------------------------------------
@@ -214,20 +217,32 @@ class SpillDirectory:
             return f"{self._count:08d}.bin"
 
     def create(self, name: str) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         return os.open(name, flags, 0o600, dir_fd=self.fd)
 
-    def open(self, name: str) -> int:
-        return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+    def anonymous(self) -> int:
+        """A descriptor, open for reading and writing, of a new file with no name here.
 
-    def remove(self, name: str) -> None:
-        if self.pid != os.getpid():
-            return  # the parent's file, freed in a forked child: the parent removes it
-        with self._lock:
-            if self.fd < 0:
-                return  # closed: the directory and its files are already gone
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=self.fd)
+        The kernel frees the file when its last descriptor closes, also when the
+        process dies (rule 6). ``O_TMPFILE`` makes it nameless from the start;
+        where the file system has none, a file is made as in rule 2 and its
+        name removed at once.
+        """
+        tmpfile = getattr(os, "O_TMPFILE", 0)
+        if tmpfile:
+            try:
+                return os.open(".", tmpfile | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
+            except OSError as error:
+                if error.errno not in _NO_TMPFILE:
+                    raise
+        name = self.new_name()
+        fd = self.create(name)
+        try:
+            os.unlink(name, dir_fd=self.fd)
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
 
     def __del__(self) -> None:
         # A directory replaced after it was deleted from outside (spill_directory)

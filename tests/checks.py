@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import re
 import threading
 import time
@@ -317,6 +318,21 @@ def files_under(directories: Sequence[Path]) -> list[str]:
     return sorted(found)
 
 
+def spill_descriptors(directories: Sequence[Path]) -> list[str]:
+    """What this process's open descriptors name below ``directories``: spill
+    files have no name, so they are found by what ``/proc/self/fd`` says."""
+    roots = [str(Path(d).resolve()) + os.sep for d in directories]
+    found: list[str] = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # the descriptor listdir itself used, closed since
+        if any(target.startswith(root) for root in roots) and target.endswith("(deleted)"):
+            found.append(f"/proc/self/fd/{fd}")
+    return sorted(found)
+
+
 def _poll(condition: Callable[[], bool], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while True:
@@ -329,7 +345,8 @@ def _poll(condition: Callable[[], bool], timeout: float) -> bool:
 
 def leak_check(*sessions: Any, directories: Sequence[Path] = (), timeout: float = 2.0) -> None:
     """After ``gc.collect()``: no saved-tensor hooks pushed, no live bytes in any
-    session, no ``tensorstash-*`` thread and no file under ``directories``.
+    session, no ``tensorstash-*`` thread, and no file under ``directories``,
+    named or open.
 
     Threads stop and files go away asynchronously, so those are polled for up
     to ``timeout`` seconds.
@@ -345,4 +362,7 @@ def leak_check(*sessions: Any, directories: Sequence[Path] = (), timeout: float 
     )
     assert _poll(lambda: not files_under(directories), timeout), (
         f"files left behind: {files_under(directories)}"
+    )
+    assert _poll(lambda: not spill_descriptors(directories), timeout), (
+        f"spill files left open: {spill_descriptors(directories)}"
     )

@@ -9,6 +9,7 @@ with gradients equal to plain autograd's, and nothing is left behind.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -22,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from checks import assert_grads_equal, fresh_inputs, leak_check, run_case
+from checks import assert_grads_equal, fresh_inputs, leak_check, run_case, spill_descriptors
 from torch import Tensor, nn
 from zoo import Case, mlp
 
@@ -39,37 +40,34 @@ def stash(policy: Any, **kwargs: Any) -> ts.Session:
 
 
 def spill_files(parent: Path) -> list[Path]:
-    return sorted(
-        p for d in parent.iterdir() if d.name.startswith("tensorstash-") for p in d.iterdir()
-    )
+    """The spill files open below ``parent``, as paths that open them (they have no name)."""
+    return [Path(found) for found in spill_descriptors([parent])]
 
 
 # -- a full disk ------------------------------------------------------------------------
 
 
 class FullDisk:
-    """Makes the spill directory in ``parent`` write to ``/dev/full`` after ``good`` files.
+    """Makes spill writes fail with ENOSPC, as on a full disk, after ``good`` values.
 
-    Writes to ``/dev/full`` fail with ENOSPC, as on a full disk; the fake is set
-    on the process's spill directory object only and undone by :meth:`heal`.
+    The fake replaces the module's write function; :meth:`heal` undoes it.
     """
 
     def __init__(self, parent: Path, good: int, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.directory = disk.spill_directory(parent)
-        self.real_create = self.directory.create
+        self.real_write = disk._write_views
         self.good = good
         self.created = 0
         self.monkeypatch = monkeypatch
-        monkeypatch.setattr(self.directory, "create", self.create)
+        monkeypatch.setattr(disk, "_write_views", self.write)
 
-    def create(self, name: str) -> int:
+    def write(self, fd: int, views: list[memoryview], offset: int) -> int:
         self.created += 1
         if self.created > self.good:
-            return os.open("/dev/full", os.O_WRONLY | os.O_CLOEXEC)
-        return self.real_create(name)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.real_write(fd, views, offset)
 
     def heal(self) -> None:
-        self.monkeypatch.setattr(self.directory, "create", self.real_create)
+        self.monkeypatch.setattr(disk, "_write_views", self.real_write)
 
 
 def disk_full_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
@@ -140,11 +138,12 @@ def test_disk_full_under_lz4_chain_keeps_compressed_bytes_in_memory(
 # -- damaged spill files between forward and backward ------------------------------------
 
 
-def corrupt(parent: Path) -> None:
-    """Flip a byte in the middle of every spill file."""
+def corrupt(parent: Path, keep_last: int = 0) -> None:
+    """Flip a byte in every page of every spill file (but the last ``keep_last`` bytes)."""
     for file in spill_files(parent):
         data = bytearray(file.read_bytes())
-        data[len(data) // 2] ^= 0x5A
+        for at in range(0, len(data) - keep_last, 4096):
+            data[at] ^= 0x5A
         file.write_bytes(bytes(data))
 
 
@@ -153,10 +152,10 @@ def truncate(parent: Path) -> None:
         file.write_bytes(file.read_bytes()[:-1])
 
 
-def grow(parent: Path) -> None:
-    for file in spill_files(parent):
-        with file.open("ab") as handle:
-            handle.write(b"\0")
+DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
+    "corrupted": (corrupt, "corrupted"),
+    "truncated": (truncate, "truncated"),
+}
 
 
 def delete_directory(parent: Path) -> None:
@@ -164,21 +163,25 @@ def delete_directory(parent: Path) -> None:
         shutil.rmtree(directory)
 
 
-def swap_for_symlink(parent: Path) -> None:
-    """Replace each file by a symlink to a copy of its own bytes: still refused."""
+def grow(parent: Path) -> None:
     for file in spill_files(parent):
-        copy = parent / f"copy-{file.name}"
-        copy.write_bytes(file.read_bytes())
-        file.unlink()
-        file.symlink_to(copy)
+        with file.open("ab") as handle:
+            handle.write(b"\0" * 5000)
 
 
-DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
-    "corrupted": (corrupt, "corrupted"),
-    "truncated": (truncate, "truncated"),
-    "grown": (grow, "grew"),
-    "directory-deleted": (delete_directory, "cannot read back"),
-    "symlink": (swap_for_symlink, "cannot read back"),
+def swap_directory_for_symlink(parent: Path) -> None:
+    """Replace each spill directory by a symlink to an empty one."""
+    for directory in [d for d in parent.iterdir() if d.name.startswith("tensorstash-")]:
+        shutil.rmtree(directory)
+        elsewhere = parent / f"elsewhere-{directory.name}"
+        elsewhere.mkdir()
+        directory.symlink_to(elsewhere, target_is_directory=True)
+
+
+HARMLESS: dict[str, Callable[[Path], None]] = {
+    "directory-deleted": delete_directory,
+    "grown": grow,
+    "directory-swapped-for-symlink": swap_directory_for_symlink,
 }
 
 
@@ -222,7 +225,34 @@ def test_damaged_spill_file_raises_spill_error_naming_the_tensor(
     leak_check(session)
 
 
-@pytest.mark.parametrize("damage", ["corrupted", "truncated", "directory-deleted"])
+@pytest.mark.parametrize("harm", list(HARMLESS))
+def test_spill_file_outlives_what_is_done_to_its_directory(spill_dir: Path, harm: str) -> None:
+    """A spill file has no name: what happens to the directory, or past the
+    file's end, leaves every value's bytes as they were written."""
+
+    def step(harm: Callable[[Path], None] | None) -> list[Tensor]:
+        torch.manual_seed(1)
+        x = torch.randn(512, 64, requires_grad=True)
+        net = Net()
+        with stash(ts.DiskSpill(spill_dir)) as session:
+            loss = net(x * 1).square().sum()
+        deadline = time.monotonic() + 10
+        while session.stats.to_dict()["tiers"]["host"]["live_bytes"]:
+            assert time.monotonic() < deadline, "the spill files were never written"
+            time.sleep(0.01)
+        if harm is not None:
+            assert spill_files(spill_dir), "the forward should have spilled"
+            harm(spill_dir)
+        loss.backward()
+        del loss
+        leak_check(session)
+        return [x.grad, *(p.grad for p in net.parameters())]
+
+    for want, got in zip(step(None), step(HARMLESS[harm]), strict=True):
+        assert torch.equal(want, got)
+
+
+@pytest.mark.parametrize("damage", ["corrupted", "truncated"])
 def test_damaged_spill_file_under_lz4_chain_raises_spill_error(
     spill_dir: Path, damage: str
 ) -> None:
@@ -241,11 +271,7 @@ def test_damaged_spill_file_under_lz4_chain_raises_spill_error(
 
 def test_damaged_spill_file_error_names_the_module(spill_dir: Path) -> None:
     _, loss = forward_then_written(ts.DiskSpill(spill_dir), spill_dir)
-    *inside_net, _square_input = sorted(spill_files(spill_dir))  # the last: square()'s input
-    for file in inside_net:
-        data = bytearray(file.read_bytes())
-        data[len(data) // 2] ^= 0x5A
-        file.write_bytes(bytes(data))
+    corrupt(spill_dir, keep_last=512 * 64 * 4)  # the last value: square()'s input
     with pytest.raises(ts.SpillError, match=r"shape \[512, 256\].*saved by module '[12]'"):
         loss.backward()
 
@@ -262,8 +288,7 @@ def test_spill_directory_deleted_next_step_equal_plain(spill_dir: Path) -> None:
     case = mlp()
     session, loss = forward_then_written(ts.DiskSpill(spill_dir), spill_dir)
     delete_directory(spill_dir)
-    with pytest.raises(ts.SpillError):
-        loss.backward()
+    loss.backward()  # the file has no name: deleting the directory leaves it be
     del loss
     after = stash(ts.DiskSpill(spill_dir))
     assert_grads_equal(expected, run_case(case, after))
@@ -447,10 +472,10 @@ KILLED_CHILD = textwrap.dedent(
 
     parent = sys.argv[1]
     x = torch.randn(256, 256, requires_grad=True)
-    with ts.stash(ts.DiskSpill(parent), min_bytes=0):
+    with ts.stash(ts.DiskSpill(parent), min_bytes=0) as session:
         y = (x * 2).sin().exp()
     directory = disk.spill_directory(__import__("pathlib").Path(parent)).path
-    while len(os.listdir(directory)) < 2:
+    while session.stats.to_dict()["tiers"]["disk"]["tensors"] < 2:
         time.sleep(0.01)
     print(directory, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -494,7 +519,8 @@ def test_killed_process_spill_directory_removed_by_next_process(
     killed = python(KILLED_CHILD, str(tmp_path))
     assert killed.returncode == -9, killed.stderr
     stale = Path(killed.stdout.strip())
-    assert stale.parent == tmp_path and len(list(stale.iterdir())) >= 2
+    # The killed process's spill file had no name: the kernel freed it with the process.
+    assert stale.parent == tmp_path and stale.is_dir() and list(stale.iterdir()) == []
 
     # What the next process must leave alone.
     keep: list[Path] = []
