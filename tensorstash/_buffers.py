@@ -30,7 +30,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from tensorstash._trim import PAGE_SIZE
+from tensorstash._trim import whole_pages
 
 _FLAGS = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0) | getattr(mmap, "MAP_POPULATE", 0)
 
@@ -57,7 +57,7 @@ class BufferPool:
         """A 1-D uint8 tensor of ``nbytes`` whose memory comes back here when it dies."""
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        length = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
+        length = whole_pages(nbytes)
         with self._lock:
             free = self._free.get(length)
             region = free.pop() if free else None

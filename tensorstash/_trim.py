@@ -131,6 +131,11 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 """The size of a memory page in bytes."""
 
 
+def whole_pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to a whole number of pages."""
+    return -(-nbytes // PAGE_SIZE) * PAGE_SIZE
+
+
 class Trimmer:
     """Returns free heap memory to the OS once the resident set grew by ``every`` bytes (rule 2).
 

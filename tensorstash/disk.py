@@ -85,7 +85,7 @@ from tensorstash._spilldir import (
     spill_directory,
     warn_if_ram_backed,
 )
-from tensorstash._trim import PAGE_SIZE, Trimmer
+from tensorstash._trim import PAGE_SIZE, Trimmer, whole_pages
 from tensorstash.policy import (
     Context,
     Held,
@@ -159,12 +159,11 @@ class _SpillFile:
     once the last one is given back.
     """
 
-    __slots__ = ("_end", "_free", "_live", "_lock", "directory", "fd", "pid")
+    __slots__ = ("_end", "_free", "_live", "_lock", "directory", "fd")
 
     def __init__(self, directory: SpillDirectory) -> None:
         self.directory = directory
         self.fd = directory.anonymous()
-        self.pid = os.getpid()
         self._free: list[tuple[int, int]] = []  # (offset, length), by offset, none adjacent
         self._end = 0
         self._live = 0
@@ -220,7 +219,9 @@ class _Files:
         with self._lock:
             file = self._file
             while True:
-                if file is None or file.directory is not directory or file.pid != os.getpid():
+                # A forked child's directory is its own (spill_directory), so
+                # it never writes to the file it inherited (rule 8).
+                if file is None or file.directory is not directory:
                     file = self._file = _SpillFile(directory)
                 offset = file.take(length)
                 if offset is not None:
@@ -285,7 +286,7 @@ class _Extent:
             if not self.usage.take(size, cap):
                 raise _CapReached
             self._held = size
-            length = max(PAGE_SIZE, -(-size // PAGE_SIZE) * PAGE_SIZE)
+            length = max(PAGE_SIZE, whole_pages(size))
             try:
                 self.file, self.offset = self.files.extent(self.directory, length)
             except OSError:
@@ -666,11 +667,11 @@ def _read(extent: _Extent, written: _Written, layout: Layout | None) -> Tensor |
     None when the value was freed first (a read-ahead's race with backward).
     """
     size = written.size
+    data = POOL.take(size)  # rule 4: the tensor handed back (NOTE [ Read buffers ])
     file = extent.pin()
     if file is None:
         return None
     try:
-        data = POOL.take(size)  # rule 4: the tensor handed back (NOTE [ Read buffers ])
         got = _read_into(file.fd, memory(data), extent.offset)
     except OSError as error:
         raise SpillError(
