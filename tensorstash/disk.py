@@ -19,11 +19,17 @@
    the stats ("host"); pack waits while more than ``max_pending_bytes`` wait.
 4. The data path. The writer takes the value's buffers through the Spillable
    protocol (rule 2 of NOTE [ Tiers ] in policy.py), whatever stage made
-   them, and writes them with one ``pwritev`` per value: one copy, into the
-   page cache. The checksum is xxh3-64, at memory speed and without the GIL.
-   A read goes straight into the buffer handed back, the stash's own (NOTE
-   [ Read buffers ] in _buffers.py); the length read and the checksum are
-   checked after. Bytes that come back short or corrupted raise
+   them, and writes them with ``pwritev``: one copy, into the page cache. The
+   checksum is xxh3-64, at memory speed and without the GIL. Bytes go in
+   pieces of 1 MiB, each hashed and then written while it is still in the
+   core's cache (small buffers go together, one call for many); a read goes
+   straight into the buffer handed back, the stash's own (NOTE [ Read
+   buffers ] in _buffers.py), a piece at a time, each hashed right after it
+   is read. Hashing a whole value before writing it, and after reading it,
+   read every byte from memory twice: 16 MiB of random fp32 spilled and read
+   back at 0.83-0.87 of raw file I/O, against 0.86-0.92 in pieces (60
+   shuffled rounds, a 2-core machine). The length read and the checksum are
+   checked after the last piece. Bytes that come back short or corrupted raise
    :class:`SpillError` naming the tensor. Nothing is ever unpickled.
    ``O_DIRECT`` (writes straight from the tensor's pages, reads into the
    page-aligned buffers) was measured and left: it spares the copies, but a
@@ -115,6 +121,8 @@ __all__ = [
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 # Buffers one writev takes (Linux's IOV_MAX is 1024).
 _IOV_MAX = 1024
+# Bytes hashed and then written, or read and then hashed, at a time (rule 4).
+_PIECE = 1 << 20
 _RERUN = (
     "The spill directory must not be changed while a graph that uses it is alive; rerun the step."
 )
@@ -337,23 +345,41 @@ class _Extent:
 
 
 def _write_views(fd: int, views: list[memoryview], offset: int) -> int:
-    """Write the views in order from ``offset``, with as few pwritev calls as
-    the system allows (rule 4); their xxh3-64 digest."""
+    """Write the views in order from ``offset``: their xxh3-64 digest (rule 4).
+
+    Each piece of up to ``_PIECE`` bytes is hashed and then written while it is
+    still in the core's cache; small views go out together, in one ``pwritev``.
+    """
     digest = xxhash.xxh3_64()
+    batch: list[memoryview] = []
+    size = 0
     for view in views:
-        digest.update(view)
-    rest = [view for view in views if view.nbytes]
-    while rest:
-        done = os.pwritev(fd, rest[:_IOV_MAX], offset)
-        offset += done
-        while done:
-            first = rest[0]
-            if done >= first.nbytes:
-                done -= first.nbytes
-                rest.pop(0)
-            else:
-                rest[0], done = first[done:], 0
+        for start in range(0, view.nbytes, _PIECE):
+            piece = view[start : start + _PIECE]
+            digest.update(piece)
+            batch.append(piece)
+            size += piece.nbytes
+            if size >= _PIECE or len(batch) == _IOV_MAX:
+                offset = _pwrite_all(fd, batch, offset)
+                batch, size = [], 0
+    if batch:
+        _pwrite_all(fd, batch, offset)
     return digest.intdigest()
+
+
+def _pwrite_all(fd: int, views: list[memoryview], offset: int) -> int:
+    """Write every byte of ``views`` from ``offset``: the offset after them."""
+    first = 0
+    while first < len(views):
+        done = os.pwritev(fd, views[first:], offset)
+        offset += done
+        while done >= views[first].nbytes:
+            done -= views[first].nbytes
+            first += 1
+            if first == len(views):
+                return offset
+        views[first] = views[first][done:]
+    return offset
 
 
 # -- the packed value ---------------------------------------------------------------------
@@ -671,8 +697,9 @@ def _read(extent: _Extent, written: _Written, layout: Layout | None) -> Tensor |
     file = extent.pin()
     if file is None:
         return None
+    digest = xxhash.xxh3_64()
     try:
-        got = _read_into(file.fd, memory(data), extent.offset)
+        got = _read_into(file.fd, memory(data), extent.offset, digest)
     except OSError as error:
         raise SpillError(
             f"tensorstash.DiskSpill: cannot read back {_describe(layout, extent)}: "
@@ -685,7 +712,7 @@ def _read(extent: _Extent, written: _Written, layout: Layout | None) -> Tensor |
             f"tensorstash.DiskSpill: {_describe(layout, extent)} was truncated: read {got} "
             f"of {size} bytes. {_RERUN}"
         )
-    if xxhash.xxh3_64_intdigest(memory(data)) != written.digest:
+    if digest.intdigest() != written.digest:
         raise SpillError(
             f"tensorstash.DiskSpill: {_describe(layout, extent)} is corrupted (checksum "
             f"mismatch). {_RERUN}"
@@ -693,13 +720,16 @@ def _read(extent: _Extent, written: _Written, layout: Layout | None) -> Tensor |
     return data
 
 
-def _read_into(fd: int, view: memoryview, offset: int) -> int:
-    """Fill ``view`` from the file at ``offset``: the bytes read (fewer at the file's end)."""
+def _read_into(fd: int, view: memoryview, offset: int, digest: Any) -> int:
+    """Fill ``view`` from the file at ``offset``, hashing each piece while it is
+    in the cache (rule 4): the bytes read (fewer at the file's end)."""
     got = 0
     while got < view.nbytes:
-        count = os.preadv(fd, [view[got:]], offset + got)
+        piece = view[got : got + _PIECE]
+        count = os.preadv(fd, [piece], offset + got)
         if count == 0:
             break
+        digest.update(piece[:count])
         got += count
     return got
 

@@ -420,3 +420,44 @@ def test_disk_spill_past_its_cap_keeps_tensors_in_memory(tmp_path: Path) -> None
 def test_disk_spill_checks_its_sizes(field: str, value: object, error: type[Exception]) -> None:
     with pytest.raises(error, match=rf"DiskSpill: {field} must be None or an int >= 0"):
         ts.DiskSpill(**{field: value})  # type: ignore[arg-type]
+
+
+def test_disk_spill_writes_and_reads_every_byte_through_short_calls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pieces, batches and calls that move fewer bytes than asked lose nothing (rule 4)."""
+    sizes = [0, 3, disk._PIECE + 5, 1, *([7] * (disk._IOV_MAX + 3)), 2 * disk._PIECE]
+    payload = os.urandom(sum(sizes))
+    views, start = [], 0
+    for size in sizes:
+        views.append(memoryview(payload)[start : start + size])
+        start += size
+    real_write, real_read = os.pwritev, os.preadv
+    calls = []
+
+    def short_write(fd: int, buffers: list[memoryview], offset: int) -> int:
+        assert len(buffers) <= disk._IOV_MAX
+        calls.append(sum(b.nbytes for b in buffers))
+        return real_write(fd, [bytes(b"".join(buffers)[:100_003])], offset)
+
+    def short_read(fd: int, buffers: list[memoryview], offset: int) -> int:
+        (view,) = buffers
+        return real_read(fd, [view[:65_537]], offset)
+
+    monkeypatch.setattr(os, "pwritev", short_write)
+    monkeypatch.setattr(os, "preadv", short_read)
+    fd = os.open(tmp_path, os.O_TMPFILE | os.O_RDWR, 0o600) if hasattr(os, "O_TMPFILE") else None
+    if fd is None:
+        fd = os.open(tmp_path / "f", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        digest = disk._write_views(fd, views, 4096)
+        assert digest == disk.xxhash.xxh3_64_intdigest(payload)
+        assert max(calls) < 2 * disk._PIECE  # written a piece or a batch at a time
+        back = bytearray(len(payload) + 100)
+        read = disk.xxhash.xxh3_64()
+        got = disk._read_into(fd, memoryview(back), 4096, read)
+        assert got == len(payload)  # the file's end stops the read
+        assert bytes(back[:got]) == payload
+        assert read.intdigest() == digest
+    finally:
+        os.close(fd)
