@@ -720,7 +720,7 @@ def _read(extent: _Extent, written: _Written, layout: Layout | None) -> Tensor |
     return data
 
 
-def _read_into(fd: int, view: memoryview, offset: int, digest: Any) -> int:
+def _read_into(fd: int, view: memoryview, offset: int, digest: xxhash.xxh3_64) -> int:
     """Fill ``view`` from the file at ``offset``, hashing each piece while it is
     in the cache (rule 4): the bytes read (fewer at the file's end)."""
     got = 0
