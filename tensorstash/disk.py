@@ -127,7 +127,7 @@ __all__ = [
 ]
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
-# Buffers one writev takes (Linux's IOV_MAX is 1024).
+# Buffers one pwritev takes (Linux's IOV_MAX is 1024).
 _IOV_MAX = 1024
 # Bytes hashed and then written, or read and then hashed, at a time (rule 4).
 _PIECE = 1 << 20

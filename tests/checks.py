@@ -333,7 +333,8 @@ def spill_descriptors(directories: Sequence[Path]) -> list[str]:
     return sorted(found)
 
 
-def _poll(condition: Callable[[], bool], timeout: float) -> bool:
+def poll(condition: Callable[[], bool], timeout: float) -> bool:
+    """Whether ``condition()`` turns true within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         if condition():
@@ -354,15 +355,15 @@ def leak_check(*sessions: Any, directories: Sequence[Path] = (), timeout: float 
     gc.collect()
     assert top_saved_tensors_hooks() is None, "saved-tensor hooks are still pushed"
     for session in sessions:
-        assert _poll(lambda s=session: s.stats.live_bytes == 0, timeout), (
+        assert poll(lambda s=session: s.stats.live_bytes == 0, timeout), (
             f"session still holds {session.stats.live_bytes} live bytes:\n{session.stats.table()}"
         )
-    assert _poll(lambda: not tensorstash_threads(), timeout), (
+    assert poll(lambda: not tensorstash_threads(), timeout), (
         f"threads left running: {tensorstash_threads()}"
     )
-    assert _poll(lambda: not files_under(directories), timeout), (
+    assert poll(lambda: not files_under(directories), timeout), (
         f"files left behind: {files_under(directories)}"
     )
-    assert _poll(lambda: not spill_descriptors(directories), timeout), (
+    assert poll(lambda: not spill_descriptors(directories), timeout), (
         f"spill files left open: {spill_descriptors(directories)}"
     )

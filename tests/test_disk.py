@@ -12,14 +12,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from checks import spill_descriptors
+from checks import poll, spill_descriptors
 
 import tensorstash as ts
 from tensorstash import _spilldir, _trim, disk
@@ -291,10 +290,9 @@ def test_disk_spill_graphs_freed_mid_write_leave_no_file(tmp_path: Path) -> None
         gc.collect()
         assert [p for d in spill_dirs(tmp_path) for p in d.iterdir()] == []
         # At most the write in flight holds the file; it closes once that ends.
-        deadline = time.monotonic() + 2
-        while spill_descriptors([tmp_path]):
-            assert time.monotonic() < deadline, "a spill file outlived its graph"
-            time.sleep(0.001)
+        assert poll(lambda: not spill_descriptors([tmp_path]), 2.0), (
+            "a spill file outlived its graph"
+        )
 
 
 def test_disk_spill_counts_bytes_waiting_for_the_writer_as_host(tmp_path: Path) -> None:
@@ -446,9 +444,7 @@ def test_disk_spill_writes_and_reads_every_byte_through_short_calls(
 
     monkeypatch.setattr(os, "pwritev", short_write)
     monkeypatch.setattr(os, "preadv", short_read)
-    fd = os.open(tmp_path, os.O_TMPFILE | os.O_RDWR, 0o600) if hasattr(os, "O_TMPFILE") else None
-    if fd is None:
-        fd = os.open(tmp_path / "f", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    fd = disk.spill_directory(tmp_path).anonymous()
     try:
         digest = disk._write_views(fd, views, 4096)
         assert digest == disk.xxhash.xxh3_64_intdigest(payload)

@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +22,14 @@ from typing import Any
 
 import pytest
 import torch
-from checks import assert_grads_equal, fresh_inputs, leak_check, run_case, spill_descriptors
+from checks import (
+    assert_grads_equal,
+    fresh_inputs,
+    leak_check,
+    poll,
+    run_case,
+    spill_descriptors,
+)
 from torch import Tensor, nn
 from zoo import Case, mlp
 
@@ -199,12 +205,16 @@ def forward_then_written(policy: Any, parent: Path) -> tuple[ts.Session, Tensor]
     x = torch.randn(512, 64, requires_grad=True)
     with stash(policy) as session:
         loss = Net()(x * 1).square().sum()
-    deadline = time.monotonic() + 10
-    # Bytes waiting for the writer count in "host" until their file is written.
-    while session.stats.to_dict()["tiers"]["host"]["live_bytes"]:
-        assert time.monotonic() < deadline, "the spill files were never written"
-        time.sleep(0.01)
+    wait_written(session)
     return session, loss
+
+
+def wait_written(session: ts.Session) -> None:
+    """Poll until the writer wrote every spilled value: bytes waiting for it
+    count in "host" until they are written."""
+    assert poll(lambda: not session.stats.to_dict()["tiers"]["host"]["live_bytes"], 10), (
+        "the spill files were never written"
+    )
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
@@ -236,10 +246,7 @@ def test_spill_file_outlives_what_is_done_to_its_directory(spill_dir: Path, harm
         net = Net()
         with stash(ts.DiskSpill(spill_dir)) as session:
             loss = net(x * 1).square().sum()
-        deadline = time.monotonic() + 10
-        while session.stats.to_dict()["tiers"]["host"]["live_bytes"]:
-            assert time.monotonic() < deadline, "the spill files were never written"
-            time.sleep(0.01)
+        wait_written(session)
         if harm is not None:
             assert spill_files(spill_dir), "the forward should have spilled"
             harm(spill_dir)
