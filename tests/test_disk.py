@@ -280,10 +280,11 @@ def test_forked_and_multiprocessing_children_keep_to_their_own_directory(tmp_pat
 # -- nothing outlives the graph (rule 6 of NOTE [ Spill files ]) ------------------------------
 
 
-def test_disk_spill_graphs_freed_mid_write_leave_no_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [True, False], ids=["writer", "inline"])
+def test_disk_spill_graphs_freed_mid_write_leave_no_file(tmp_path: Path, background: bool) -> None:
     for _ in range(30):
         h = torch.randn(256, 1024, requires_grad=True)
-        with ts.stash(ts.DiskSpill(tmp_path), min_bytes=0):
+        with ts.stash(ts.DiskSpill(tmp_path, background=background), min_bytes=0):
             for _ in range(20):
                 h = h * 1.0001
         del h  # the writer is still at work on most of the 20 values
@@ -301,7 +302,7 @@ def test_disk_spill_counts_bytes_waiting_for_the_writer_as_host(tmp_path: Path) 
     gate = threading.Event()
     ctx.writer().submit(gate.wait)  # the writer is busy: the next value waits
     try:
-        packed = ts.DiskSpill(tmp_path).pack(torch.randn(256, 256), ctx)
+        packed = ts.DiskSpill(tmp_path, background=True).pack(torch.randn(256, 256), ctx)
         ctx.account(packed)
         assert packed.tier == "host"
         assert ctx.stats.to_dict()["tiers"]["host"]["live_bytes"] == 256 * 256 * 4
@@ -313,6 +314,95 @@ def test_disk_spill_counts_bytes_waiting_for_the_writer_as_host(tmp_path: Path) 
     assert ctx.stats.to_dict()["tiers"]["disk"]["live_bytes"] == 256 * 256 * 4
     del packed
     ctx.closed()
+
+
+# -- who writes and reads (rule 3 of NOTE [ Spill files ]) ------------------------------------
+
+
+@pytest.mark.parametrize("spare", [0, 1], ids=["torch-uses-every-core", "a-core-to-spare"])
+def test_disk_spill_writes_on_the_training_thread_only_without_a_spare_core(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spare: int
+) -> None:
+    monkeypatch.setattr(disk, "usable_cores", lambda: torch.get_num_threads() + spare)
+    ctx = Context(StashStats())
+    ctx.opened()
+    packed = ts.DiskSpill(tmp_path).pack(torch.randn(256, 256), ctx)
+    assert isinstance(packed, disk.Spilled)
+    assert packed.inline is (spare == 0)
+    assert (ctx._writer is None) is (spare == 0), "a writer thread only with a core to spare"
+    if spare == 0:
+        assert packed.written is not None and packed.written.done()
+        assert packed.tier == "disk", "written before pack returned"
+    del packed
+    ctx.closed()
+
+
+def test_disk_spill_keeps_device_and_staged_values_on_the_writer(tmp_path: Path) -> None:
+    ctx = Context(StashStats())
+    spill = ts.DiskSpill(tmp_path)
+    assert spill._in_background("host", ctx), "a copy from a device may still be in flight"
+    assert not ts.DiskSpill(tmp_path, background=False)._in_background("kept", ctx)
+    assert ts.DiskSpill(tmp_path, background=True)._in_background("kept", ctx)
+
+
+def test_disk_spill_inline_is_bitwise_reads_at_unpack_and_asks_the_kernel_to_read_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    advised: list[tuple[int, int, int]] = []
+    real = os.posix_fadvise
+
+    def advise(fd: int, offset: int, length: int, advice: int) -> None:
+        advised.append((offset, length, advice))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, requires_grad=True)
+    layers = [torch.randn(256, 256) for _ in range(6)]
+
+    def forward() -> torch.Tensor:
+        h = x
+        for w in layers:
+            h = (h @ w).tanh()
+        return h.sum()
+
+    forward().backward()
+    expected, x.grad = x.grad, None
+    with ts.stash(ts.DiskSpill(tmp_path, background=False), min_bytes=0) as session:
+        loss = forward()
+    assert session.stats.to_dict()["tiers"]["host"]["live_bytes"] == 0, "all written at pack"
+    loss.backward()
+    assert torch.equal(x.grad, expected)
+    assert advised and all(a == os.POSIX_FADV_WILLNEED for _, _, a in advised)
+    assert all(offset % 4096 == 0 and length % 4096 == 0 for offset, length, _ in advised)
+    assert session._ctx._pool is None and session._ctx._writer is None, "no thread was started"
+    del loss
+    gc.collect()
+    assert session.stats.live_bytes == 0
+    assert spill_descriptors([tmp_path]) == []
+
+
+def test_disk_spill_inline_write_error_is_raised_at_unpack_and_frees_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(fd: int, views: list[memoryview], offset: int) -> int:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(disk, "_write_views", broken)
+    x = torch.randn(256, 256, requires_grad=True)
+    with ts.stash(ts.DiskSpill(tmp_path, background=False), min_bytes=0) as session:
+        y = (x * 2).sin()  # pack returns: the error waits for the step's backward
+    with pytest.raises(ts.SpillError, match=r"cannot write .* Input/output error"):
+        y.sum().backward()
+    del y
+    gc.collect()
+    assert session.stats.live_bytes == 0
+    assert spill_descriptors([tmp_path]) == []
+
+
+def test_disk_spill_refuses_a_background_that_is_not_a_bool(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="background must be True, False or None"):
+        ts.DiskSpill(tmp_path, background="yes")  # type: ignore[arg-type]
 
 
 # -- directories that cannot hold spill files (rule 1) ----------------------------------------

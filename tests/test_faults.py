@@ -80,13 +80,14 @@ def disk_full_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if "is full" in str(w.message)]
 
 
+@pytest.mark.parametrize("background", [True, False], ids=["writer", "inline"])
 def test_disk_full_mid_step_falls_back_and_grads_equal_plain(
-    spill_dir: Path, monkeypatch: pytest.MonkeyPatch
+    spill_dir: Path, monkeypatch: pytest.MonkeyPatch, background: bool
 ) -> None:
     expected = run_case(mlp())
     case = mlp()
     full = FullDisk(spill_dir, good=1, monkeypatch=monkeypatch)
-    session = stash(ts.DiskSpill(spill_dir))
+    session = stash(ts.DiskSpill(spill_dir, background=background))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         actual = run_case(case, session)
