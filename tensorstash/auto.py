@@ -13,6 +13,27 @@
 3. Probes are arguments with defaults and their readings are cached for
    ``refresh_s`` seconds of the injected clock, so a decision costs a few
    microseconds, not a system call.
+
+# NOTE [ Quiet steps ]
+1. A plan that moves nothing (every site kept, some modules perhaps
+   recomputed) needs no saved-tensor hook: the modules it recomputes run
+   under their own checkpoint, and everything else stays where autograd
+   leaves it. Hooks and module tracking are not free: on an H200 the bench's
+   ``medium`` model (a 20 ms step, bound by launching kernels) took 1.45x
+   no stash's step under ``Auto`` keeping everything, every tensor through
+   the Python hooks, against 1.00x with none.
+2. So from the model's call (a forward pre-hook on the model the profile
+   knows), such a step hands itself back to plain autograd (rule 10 of NOTE
+   [ Session ]), when: the profile measures nothing in it (NOTE [ Profile ]
+   rule 6), the model's inputs are those of the last step that recorded its
+   sites (rule 8 there: another batch shape runs with hooks, and the plan
+   follows its bytes), and the plan fits its budget. It still recomputes
+   what the plan says, and on the CPU still returns freed memory (its
+   ``Watch`` runs until the backward through the model's output ends).
+3. The plan knows what hooks cost (NOTE [ Plan ] rule 7): where the cheapest
+   plan moves sites (so needs the hooks), the planner also makes the plan
+   that only recomputes, and takes it if it fits and its predicted step,
+   without the hooks' cost, is no slower.
 """
 
 from __future__ import annotations
@@ -38,6 +59,7 @@ from tensorstash.cpu import CpuOffload
 from tensorstash.disk import DiskSpill, check_directory
 from tensorstash.plan import Plan, Rates, make_plan
 from tensorstash.policy import Chain, Context, Defer, Keep, Policy
+from tensorstash.profile import signature
 from tensorstash.recompute import unwrap_for_plan, warm_up, wrap_for_plan
 from tensorstash.stats import StashStats, Tier, human_bytes
 
@@ -392,6 +414,8 @@ class _AutoState:
         self.cache_off: Any = None  # a model config whose use_cache was turned off
         self.stats = ctx.stats
         self.watch: Watch | None = None  # returns freed memory in a planned CPU step
+        self.session = ctx.session  # a weak reference (rule 10 of NOTE [ Session ])
+        self.root_hook: Any = None  # the model's pre-hook that may make the step quiet
 
     # The tiers, made when first chosen: a step that keeps everything makes none
     # (a DiskSpill checks its directory when made).
@@ -423,6 +447,11 @@ class _AutoState:
             if self.auto.recompute and profile.steps:
                 warm_up()
             _modules.observe(self)
+            root = profile.root
+            if root is not None:  # NOTE [ Quiet steps ] rule 2
+                self.root_hook = root.register_forward_pre_hook(
+                    self._model_called, with_kwargs=True
+                )
 
     def entered(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """The first module called: plan for this step and recompute what the plan says."""
@@ -450,8 +479,32 @@ class _AutoState:
     def left(self, module: nn.Module) -> None:
         return None
 
+    def _model_called(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """NOTE [ Quiet steps ] rule 2: hand the step to plain autograd where its plan allows."""
+        self._drop_root_hook()
+        plan, profile = self.plan, self.profile
+        if not profile.model_called(signature(args, kwargs)):
+            return
+        if plan is None or plan.tiers or not plan.fits or not module.training:
+            return
+        session = self.session() if self.session is not None else None
+        if session is None or not session.go_quiet():
+            return
+        quiet = profile.went_quiet(module, tuple(path for path, _ in self.recomputed))
+        if self.watch is not None and quiet is not None:
+            # The stats count nothing now: trim until the backward through the output ends.
+            self.watch.holding = lambda: not quiet.ended
+
+    def _drop_root_hook(self) -> None:
+        if self.root_hook is not None:
+            self.root_hook.remove()
+            self.root_hook = None
+
     def end(self) -> None:
         """The session exits: give every module back."""
+        self._drop_root_hook()
         _modules.unobserve(self)
         if self.watch is not None:
             self.watch.exited()  # it stops when the step's saved tensors are freed

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from tensorstash import _codec
-from tensorstash._layout import Layout
+from tensorstash._layout import Layout, unfilled
 from tensorstash._reasons import Reason, Why, reason
 from tensorstash.policy import (
     Context,
@@ -274,6 +274,6 @@ def _decode(codec: _codec.Codec, encoded: _codec.Encoded, pool: Any) -> Tensor:
     part = encoded.parts[0] if encoded.parts else None
     if encoded.method == "raw" and isinstance(part, Tensor):
         return part  # the bytes as they were (rule 2): no copy
-    out = torch.empty(encoded.nbytes, dtype=torch.uint8)
+    out = unfilled(encoded.nbytes, torch.uint8)
     codec.decode(encoded, out, pool)
     return out

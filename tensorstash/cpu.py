@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import Tensor
 
-from tensorstash._layout import Layout, describe, rebuild
+from tensorstash._layout import Layout, describe, rebuild, unfilled
 from tensorstash.policy import Context, Held, HostBytes, Packed, bug, finalize, nbytes_of
 
 
@@ -181,9 +181,7 @@ class _Cuda:
         self.device = device
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
-        self.pool = PinnedPool(
-            lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True), max_cached_bytes
-        )
+        self.pool = PinnedPool(lambda n: unfilled(n, torch.uint8, pinned=True), max_cached_bytes)
         self.inflight = Inflight()
 
     def close(self) -> None:
@@ -308,7 +306,7 @@ class CpuOffload:
         restored = torch.cuda.Event()
         with torch.cuda.stream(cuda.h2d):
             cuda.h2d.wait_event(packed.copied)
-            device_bytes = torch.empty(layout.nbytes, dtype=torch.uint8, device=layout.device)
+            device_bytes = unfilled(layout.nbytes, torch.uint8, layout.device)
             device_bytes.copy_(packed.ready_unsynced(), non_blocking=True)
             restored.record(cuda.h2d)
         if packed.uses is not None:

@@ -39,6 +39,16 @@
    peak less the eligible bytes held at its moment, plus the new plan's: the
    held bytes when forward ends, or more while backward recomputes a module
    (the tensors saved before it are still held, and its own are made again).
+7. A plan that moves nothing runs without hooks (NOTE [ Quiet steps ] in
+   auto.py); one that moves a site runs every saved tensor through them. The
+   hooks' cost is what the steps with them took over the quiet steps, each
+   less what it recomputed (``Profile.history`` against
+   ``Profile.quiet_history``); before a quiet step was timed, ``HOOK_S``
+   per call site. A quiet plan is predicted from the quiet steps' base (or
+   the hooked base less that cost). Where the cheapest plan moves sites, the
+   plan that only recomputes is made too, and taken when it fits and is
+   predicted no slower: on a model whose step is bound by launching kernels
+   the hooks cost more than recomputing a few modules.
 """
 
 from __future__ import annotations
@@ -67,6 +77,10 @@ LINK_BYTES_PER_S = 20e9
 """Device to host and back (PCIe); measured on the device where it can be."""
 CALIBRATION_SPREAD = 4.0
 """A measured cost per byte moved counts down to 1/CALIBRATION_SPREAD of the assumed one."""
+HOOK_S = 70e-6
+"""What the hooks cost a step per call site, until steps with and without them were timed
+(an H200 host, the bench's ``medium`` model: 9 ms a step over its 124 sites and 93 module
+calls)."""
 
 
 @dataclass(frozen=True)
@@ -101,10 +115,14 @@ class Plan:
         recompute: module paths recomputed, in the model's order.
         tiers: the tier of each site that does not stay ("keep" for the others).
         choices: the savings taken, cheapest per byte first.
-        base_step_s: the predicted step time with nothing recomputed or moved.
+        base_step_s: the predicted time of a plain step: nothing recomputed or
+            moved, no hooks (rule 7).
         predicted_step_s: forward and backward seconds with this plan.
         predicted_peak_bytes: the real peak memory growth over a step, or None
             before a step's peak was measured.
+        hooks_s: what the saved-tensor hooks cost a step (rule 7): in
+            ``base_step_s``, and in a hooked plan's predicted step, not in a
+            quiet one's.
     """
 
     budget: int
@@ -117,6 +135,12 @@ class Plan:
     base_step_s: float = 0.0
     predicted_step_s: float = 0.0
     predicted_peak_bytes: int | None = None
+    hooks_s: float = 0.0
+
+    @property
+    def quiet(self) -> bool:
+        """Whether a step can run it without hooks: it moves nothing and fits (rule 7)."""
+        return not self.tiers and self.fits
 
     def tier(self, site: Site) -> Tier:
         """Where ``site``'s tensors go ("keep" unless the plan moves them)."""
@@ -148,9 +172,10 @@ class Plan:
             )
         overhead = self.predicted_step_s / self.base_step_s if self.base_step_s > 0 else 1.0
         peak = "-" if self.predicted_peak_bytes is None else human_bytes(self.predicted_peak_bytes)
+        hooks = "no hooks (a quiet step)" if self.quiet else f"hooks {1e3 * self.hooks_s:.1f} ms"
         lines.append(
-            f"predicted step {self.predicted_step_s:.3f} s ({overhead:.2f}x of nothing moved), "
-            f"real peak growth {peak}"
+            f"predicted step {self.predicted_step_s:.3f} s ({overhead:.2f}x of a plain step; "
+            f"{hooks}), real peak growth {peak}"
         )
         return "\n".join(lines)
 
@@ -182,14 +207,37 @@ def make_plan(
     step = profile.measured()
     if step is None or not profile.last:
         return None
-    solver = _Solver(profile, budget, device, rates or Rates())
+    plan = _solve(profile, budget, device, rates or Rates(), recompute, never, always, moves=True)
+    if plan.tiers and recompute:  # rule 7: without the hooks, recomputing may cost less
+        alone = _solve(profile, budget, device, rates or Rates(), True, never, always, moves=False)
+        if alone.fits and alone.predicted_step_s <= plan.predicted_step_s:
+            return alone
+    return plan
+
+
+def _solve(
+    profile: Profile,
+    budget: int,
+    device: str,
+    rates: Rates,
+    recompute: bool,
+    never: Excluded,
+    always: Iterable[str],
+    *,
+    moves: bool,
+) -> Plan:
+    """One greedy plan (rule 3); ``moves``: whether sites may leave the device."""
+    step = profile.measured()
+    if step is None:
+        raise AssertionError("tensorstash: a plan made with no step measured; a bug")
+    solver = _Solver(profile, budget, device, rates)
     solver.calibrate()
     for path in always:
         solver.take_recompute(path)
     if solver.held > budget:
-        if device == "cuda":
+        if device == "cuda" and moves:
             solver.take_hidden_copies(step)
-        solver.take_cheapest(recompute, never)
+        solver.take_cheapest(recompute, never, moves=moves)
     return solver.plan(step)
 
 
@@ -211,6 +259,7 @@ class _Solver:
         self.moved: dict[Site, Choice] = {}
         self.unsafe = {path for path, record in self.modules.items() if record.unsafe}
         self.base_s = 0.0
+        self.hooks_s = 0.0
         self.recompute_factor = 1.0
 
     # What a module holds --------------------------------------------------------------
@@ -284,7 +333,7 @@ class _Solver:
             return "compressed", compressed, lz4_cost
         return "disk", nbytes, disk_cost
 
-    def options(self, recompute: bool, never: Excluded) -> list[_Option]:
+    def options(self, recompute: bool, never: Excluded, moves: bool = True) -> list[_Option]:
         """Every saving still open, valued by how far it lowers the peak held (rule 3).
 
         The peak held is the most of the held bytes when forward ends and
@@ -318,7 +367,7 @@ class _Solver:
                 if saved > 0:
                     option = _Option(cost, saved, first, "recompute", path)
                     found.append((option, lowered(saved, first, own, path)))
-        for site, site_record in self.sites.items():
+        for site, site_record in self.sites.items() if moves else ():
             if site in self.moved or any(_under(site[0], m) for m in self.recomputed):
                 continue
             tier, saved, cost = self.move_option(site)
@@ -364,7 +413,7 @@ class _Solver:
     def inside_bytes(self, path: str) -> int:
         return sum(self.sites[site].nbytes for site in self.inside(path))
 
-    def take_cheapest(self, recompute: bool, never: Excluded) -> None:
+    def take_cheapest(self, recompute: bool, never: Excluded, *, moves: bool = True) -> None:
         """Rule 3: the cheapest saving per byte first, until the held bytes fit.
 
         Costs per byte within about 10% of each other count as equal (a timing's
@@ -373,7 +422,7 @@ class _Solver:
         is left, for no more than the cheapest per byte, ends the search.
         """
         while self.held > self.budget:
-            options = self.options(recompute, never)
+            options = self.options(recompute, never, moves)
             if not options:
                 return
             best = min(options, key=_Option.rank)
@@ -407,8 +456,9 @@ class _Solver:
         held = max(self.held, 0)
         largest = max((record.nbytes for record in self.sites.values()), default=0)
         reachable = largest if held <= self.budget else self._reachable()
-        base = self.base_s
-        predicted = base + sum(choice.cost_s for choice in choices)
+        base = self.base_s - self.hooks_s  # a plain step (rule 7)
+        quiet = not tiers and held <= self.budget
+        predicted = base + (0.0 if quiet else self.hooks_s) + sum(c.cost_s for c in choices)
         peak = None
         measured = self.profile.peak  # the last step that took the real peak
         if measured is not None and measured.peak_bytes is not None:
@@ -427,6 +477,7 @@ class _Solver:
             base_step_s=base,
             predicted_step_s=predicted,
             predicted_peak_bytes=peak,
+            hooks_s=self.hooks_s,
         )
 
     def calibrate(self) -> None:
@@ -461,6 +512,11 @@ class _Solver:
             self.base_s = statistics.median(
                 s.seconds - s.policy_s - self._cost_of(s) for s in steps[-3:]
             )
+        quiet = [s.seconds - self._cost_of(s) for s in self.profile.quiet_history]
+        if quiet and clean:
+            self.hooks_s = max(self.base_s - statistics.median(quiet), 0.0)
+        else:
+            self.hooks_s = min(HOOK_S * len(self.sites), self.base_s / 2)
         per_byte: dict[str, list[float]] = {}
         for s in steps:
             if len(s.moved) == 1:

@@ -233,6 +233,9 @@ class Context:
         self.resources: dict[Any, Any] = {}
         # The session's profile (NOTE [ Profile ] in profile.py), or None.
         self.profile: Any = None
+        # A weak reference to the session (rule 10 of NOTE [ Session ]: a selector
+        # hands a step back to plain autograd through it), or None.
+        self.session: Any = None
 
     # Executors -------------------------------------------------------------------
 

@@ -46,6 +46,16 @@
    measured one.
 7. Times come from an injected clock; on CUDA, module and step times are
    taken with events, read once the step's backward has ended.
+8. A quiet step (rule 10 of NOTE [ Session ]) records no site and times no
+   module: it counts as a step (``steps``, so rule 6's cadence holds), and
+   only its forward and backward seconds are taken, from the model's call to
+   the end of the backward through its output (a hook on that one tensor; on
+   CUDA, events read once they completed, never waited for), into
+   ``quiet_history``: what a step costs with no hooks, beside ``history``,
+   what it costs with them. A step may be quiet only with the same model
+   inputs (shapes and dtypes, positional and keyword) as the last step that
+   recorded its sites: another batch shape changes the bytes the plan counts,
+   and that step runs with hooks to measure them.
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
 from tensorstash import _modules
 from tensorstash._memory import CudaPeak, PeakRss, meter
@@ -72,6 +83,9 @@ STATE_VERSION = 3
 
 HISTORY = 5
 """Steps whose measurements a plan is made from (their medians)."""
+
+QUIET_NOISE = 0.1
+"""How far the quiet steps' median time moves before the plan is made again (rule 8)."""
 
 Site = tuple[str, str | None, int]
 """``(module, op, occurrence)``: rule 1 of NOTE [ Profile ]."""
@@ -164,6 +178,10 @@ class _CpuTimer:
     def seconds(self, start: Any, end: Any) -> float:
         return float(end - start)
 
+    @staticmethod
+    def done(end: Any) -> bool:
+        return True
+
 
 class _CudaTimer:
     """Marks times with events on the current stream (rule 7): read once they complete."""
@@ -179,6 +197,10 @@ class _CudaTimer:
     def seconds(self, start: Any, end: Any) -> float:
         end.synchronize()
         return float(start.elapsed_time(end)) / 1000.0
+
+    @staticmethod
+    def done(end: Any) -> bool:
+        return bool(end.query())
 
 
 @dataclass(eq=False)
@@ -217,6 +239,8 @@ class Profile:
     stalls: set[Site] = field(default_factory=set)
     modules: dict[str, ModuleRecord] = field(default_factory=dict)
     history: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    quiet_history: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    inputs: tuple[Any, ...] | None = None
     module_history: deque[tuple[bool, dict[str, ModuleRecord]]] = field(
         default_factory=lambda: deque(maxlen=HISTORY)
     )
@@ -233,6 +257,8 @@ class Profile:
     _plans: dict[Any, tuple[int, int, Any]] = field(default_factory=dict)
     _warned: set[int] = field(default_factory=set)
     _peak_plans: set[tuple[Any, ...]] = field(default_factory=set)
+    _quiet: list[_QuietStep] = field(default_factory=list)
+    _quiet_seen: float | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickles (a spawned process's copy): the measurements, not the live links.
@@ -241,7 +267,7 @@ class Profile:
         out; the copy finds the modules again by their paths.
         """
         state = dict(self.__dict__)
-        state.update(_step=None, _objects={}, _root=None, _plans={})
+        state.update(_step=None, _objects={}, _root=None, _plans={}, _quiet=[])
         return state
 
     # -- a step ---------------------------------------------------------------------
@@ -252,6 +278,7 @@ class Profile:
         The step before, if its backward never came, is dropped.
         """
         self._step = None
+        self._read_quiet(final=False)
         if not torch.is_grad_enabled():
             return None
         self._seen.clear()
@@ -298,6 +325,7 @@ class Profile:
         }  # rule 4
         self.last = {**carried, **self.current}
         self.current = {}
+        self.inputs = step.inputs
         self.steps += 1
         for site, rec in self.last.items():
             if rec.offloaded and rec.unpack_s > self.stall_s:
@@ -342,6 +370,52 @@ class Profile:
         """Whether unpacking this site stalled backward the last time it was offloaded."""
         return site in self.stalls
 
+    # -- quiet steps (rule 8) -------------------------------------------------------------
+
+    def model_called(self, inputs: tuple[Any, ...]) -> bool:
+        """The model was called with ``inputs`` (:func:`signature`): whether the step may be quiet.
+
+        It may where the step measures nothing (no module timings, no peak
+        due) and the inputs are those of the last step that recorded its sites.
+        """
+        step = self._step
+        if step is None:
+            return False
+        step.inputs = inputs
+        return not step.measure and step.training is not False and inputs == self.inputs
+
+    def went_quiet(self, root: nn.Module, recomputed: tuple[str, ...]) -> _QuietStep | None:
+        """The session runs this step as plain autograd: time it and nothing else (rule 8)."""
+        step = self._step
+        if step is None:
+            return None
+        step.cancel()
+        self.steps += 1
+        quiet = _QuietStep(self, root, step.device, recomputed)
+        self._quiet.append(quiet)
+        return quiet
+
+    def _read_quiet(self, *, final: bool) -> None:
+        """Take the times of quiet steps whose backward ended and whose events completed."""
+        pending = []
+        for quiet in self._quiet:
+            record = quiet.record(final=final)
+            if record is not None:
+                self.quiet_history.append(record)
+            elif not quiet.over():
+                pending.append(quiet)
+        for old in pending[:-2]:
+            old.abandon()  # no step waits on more than the two before it
+        self._quiet = pending[-2:]
+        if self.quiet_history:
+            # A plan's quiet base (NOTE [ Plan ] rule 7) is made again once it moved
+            # beyond its noise: the plan changes only then (rule 5).
+            now = statistics.median(rec.seconds for rec in self.quiet_history)
+            seen = self._quiet_seen
+            if seen is None or abs(now - seen) > QUIET_NOISE * seen:
+                self._quiet_seen = now
+                self._revision += 1
+
     # -- modules -------------------------------------------------------------------------
 
     def module(self, path: str) -> nn.Module | None:
@@ -382,6 +456,7 @@ class Profile:
         :meth:`load_state_dict` restores it; the modules are found again by
         their paths in the first model called after.
         """
+        self._read_quiet(final=True)
         sites = [
             {
                 "module": module,
@@ -405,6 +480,8 @@ class Profile:
             "sites": sites,
             "modules": [{"path": path, **_module_row(rec)} for path, rec in self.modules.items()],
             "history": [_step_row(rec) for rec in self.history],
+            "quiet_history": [_step_row(rec) for rec in self.quiet_history],
+            "inputs": None if self.inputs is None else _inputs_row(self.inputs),
             "peak": None if self.peak is None else _step_row(self.peak),
             "codec_methods": methods,
         }
@@ -435,6 +512,11 @@ class Profile:
         self.modules = {row["path"]: _module_record(row) for row in state["modules"]}
         self.module_history = deque([(False, dict(self.modules))], maxlen=HISTORY)
         self.history = deque((_step_record(row) for row in state["history"]), maxlen=HISTORY)
+        self.quiet_history = deque(
+            (_step_record(row) for row in state.get("quiet_history", ())), maxlen=HISTORY
+        )
+        inputs = state.get("inputs")
+        self.inputs = None if inputs is None else _inputs_record(inputs)
         self.peak = None if state["peak"] is None else _step_record(state["peak"])
         self._peak_plans = set() if self.peak is None else {_plan_of(self.peak)}
         self.codec_methods = {
@@ -625,6 +707,8 @@ class _Step:
         self._backward = False
         self._timings: list[tuple[str, Any, Any]] = []
         self.policy_s = 0.0
+        self.inputs: tuple[Any, ...] | None = None  # the model's inputs (rule 8)
+        self.device = torch.device("cpu")
         if self.cold:
             # Rule 6: from a heap handed back to the OS, or a warm heap that
             # reuses the last step's pages shows a step growing by nothing.
@@ -636,6 +720,7 @@ class _Step:
 
     def use_device(self, device: torch.device) -> None:
         """The step runs on ``device`` (known at the first module call)."""
+        self.device = device
         if device.type == "cuda" and isinstance(self._timer, _CpuTimer):
             self._timer = _CudaTimer(device)
             self._begun = self._timer.mark()
@@ -695,6 +780,15 @@ class _Step:
             elif any(t._version != v for t, v in call.inputs):
                 record.unsafe = "changes its input in place"
 
+    def cancel(self) -> None:
+        """The step runs quiet (rule 8): stop observing it; it records nothing."""
+        _modules.unobserve(self)
+        if self._meter is not None:
+            self._meter.stop()
+            self._meter = None
+        if self.profile._step is self:
+            self.profile._step = None
+
     # The session's calls -----------------------------------------------------------------
 
     def end_forward(self) -> None:
@@ -752,6 +846,110 @@ class _Step:
             recompute_s=recompute_s,
         )
         self.profile._finished(self, record)
+
+
+class _QuietStep:
+    """A step run as plain autograd (rule 8): timed from the model's call to its backward's end.
+
+    The end of forward is the model's output; the end of backward is an
+    autograd callback queued when the gradient reaches that output (a hook on
+    that one tensor). ``ended`` turns True then, or when the output is freed
+    without a backward, or when two later steps began and it still waits.
+    """
+
+    def __init__(
+        self,
+        profile: Profile,
+        root: nn.Module,
+        device: torch.device,
+        recomputed: tuple[str, ...],
+    ) -> None:
+        self.profile = weakref.ref(profile)
+        self.recomputed = recomputed
+        self.timer: _CpuTimer | _CudaTimer = (
+            _CudaTimer(device) if device.type == "cuda" else _CpuTimer(profile.clock)
+        )
+        self.begun = self.timer.mark()
+        self.forward_end: Any = None
+        self.end: Any = None
+        self.ended = False
+        self._queued = False
+        self._handle = root.register_forward_hook(self._forward_ended)
+
+    def _forward_ended(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._handle.remove()
+        self.forward_end = self.timer.mark()
+        tensor = next(
+            (t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad),
+            None,
+        )
+        if tensor is None:
+            self.ended = True  # no backward goes through the model's output
+            return
+        tensor.register_hook(self._backward_reached)
+        weakref.finalize(tensor, self._freed)
+
+    def _backward_reached(self, grad: Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self.end = self.timer.mark()
+        self.ended = True
+
+    def _freed(self) -> None:
+        self.ended = True
+
+    def over(self) -> bool:
+        """Whether nothing more will come of it: it ended, and its times were taken or lost."""
+        return self.ended and self.end is None
+
+    def abandon(self) -> None:
+        self._handle.remove()
+        self.ended, self.end = True, None
+
+    def record(self, *, final: bool) -> StepRecord | None:
+        """Its times, once its backward ended and (on CUDA) its events completed.
+
+        ``final`` waits for the events instead of asking again later.
+        """
+        if self.end is None or self.forward_end is None:
+            return None
+        if not final and not self.timer.done(self.end):
+            return None
+        profile = self.profile()
+        recompute_s = None
+        if profile is not None:
+            modules = [profile.module(path) for path in self.recomputed]
+            recompute_s = take_recompute_seconds(m for m in modules if m is not None)
+        timer = self.timer
+        self.end, end = None, self.end
+        return StepRecord(
+            forward_s=timer.seconds(self.begun, self.forward_end),
+            backward_s=timer.seconds(self.forward_end, end),
+            held_bytes=0,
+            peak_bytes=None,
+            recomputed=self.recomputed,
+            recompute_s=recompute_s,
+        )
+
+
+def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The shapes and dtypes of the tensors a model is called with (rule 8)."""
+    return tuple(
+        (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        for t in tree_leaves((args, kwargs))
+        if isinstance(t, Tensor)
+    )
+
+
+def _inputs_row(inputs: tuple[Any, ...]) -> list[Any]:
+    return [[list(shape), dtype] for shape, dtype in inputs]
+
+
+def _inputs_record(row: list[Any]) -> tuple[Any, ...]:
+    return tuple((tuple(shape), str(dtype)) for shape, dtype in row)
 
 
 def _already_checkpointed(module: nn.Module) -> str | None:

@@ -51,6 +51,14 @@ this order:
    unpack rebuilds the DTensor around the unpacked local tensor, without an
    autograd op. Stats and the decision log count local bytes and shapes; a
    row names the DTensor's op. See NOTE [ DTensor ] in _dtensor.py.
+10. Quiet steps. A selector may hand a step back to plain autograd once it
+   knows it will keep every tensor (``Auto`` with a profile, when its plan
+   moves nothing: NOTE [ Quiet steps ] in auto.py). At the model's first call
+   the session pops its hooks and stops following modules, and the rest of
+   the step runs with no hook at all: the rules above cost nothing, and
+   autograd checks in-place changes itself. Only where this session's hooks
+   are the only ones pushed (no other stash or hook pair around or inside
+   it), and never with ``record`` or ``verify``, which need every tensor.
 
 # NOTE [ Recent window ]
 Backward starts with the tensors saved last (the output head, the loss):
@@ -523,6 +531,8 @@ class Session(contextlib.ContextDecorator):
         self._pushed: list[bool] = []  # per open: whether this enter pushed hooks (rule 8)
         self._step: Any = None  # the profile's step being measured
         self._planner: Any = None  # the selector's per-step planning (Auto's state)
+        self._quiet = False  # this open handed the step to plain autograd (rule 10)
+        self._ctx.session = weakref.ref(self)
 
     def __repr__(self) -> str:
         return f"tensorstash.stash({self.policy!r}, min_bytes={self.min_bytes})"
@@ -611,12 +621,15 @@ class Session(contextlib.ContextDecorator):
                 "stash first (use them as nested `with` blocks)"
             )
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is None or not self._pushed_by(top[0]):
+        ours = top is not None and self._pushed_by(top[0])
+        # Rule 10: a quiet session has nothing of its own pushed, and nothing else may be.
+        if (top is not None) if self._quiet else not ours:
             raise RuntimeError(
                 "tensorstash.stash: other saved-tensor hooks are still pushed inside this "
                 "session; close them before the session ends"
             )
-        torch._C._autograd._pop_saved_tensors_default_hooks()
+        if not self._quiet:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
         self._pushed.pop()
         active.pop()
         self._stats.fold()
@@ -626,9 +639,33 @@ class Session(contextlib.ContextDecorator):
             self._planner.end()
         if not active:
             _modules.forget_stack()
-        _modules.untrack()
+        if not self._quiet:
+            _modules.untrack()
+        self._quiet = False
         self._ctx.closed()
         self._ctx.flush_warnings()
+
+    def go_quiet(self) -> bool:
+        """Run the rest of this step as plain autograd (rule 10); False where it cannot.
+
+        Called by the selector's planning at the model's first call.
+        """
+        if self._quiet or self.record or self.verify or self._pushed != [True]:
+            return False
+        active = _active()
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if not active or active[-1] is not self or top is None or not self._pushed_by(top[0]):
+            return False
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            torch._C._autograd._push_saved_tensors_default_hooks(*top)  # hooks below: not alone
+            return False
+        self._quiet = True
+        _modules.untrack()
+        self._step = None  # the profile times the step as quiet (rule 8 of NOTE [ Profile ])
+        with self._stats._lock:
+            self._stats.quiet += 1
+        return True
 
     # Hooks ----------------------------------------------------------------------------
 

@@ -151,6 +151,9 @@ class StashStats:
     stored, after compression. The tier "kept" counts tensors left where they
     were (kept by the policy, or not eligible); "host" counts bytes in host RAM
     that the tensors were moved or compressed to; "disk" counts spilled bytes.
+    ``quiet`` counts the steps that ran as plain autograd, with no hooks at all:
+    under ``Auto`` with a profile, once its plan moves nothing (rule 10 of NOTE
+    [ Session ]); the tiers count nothing of such a step.
 
     Example:
         >>> with tensorstash.stash("lz4") as session:
@@ -169,6 +172,7 @@ class StashStats:
     inside_recompute: int = 0
     returned_bytes: int = 0
     returns: int = 0
+    quiet: int = 0
     hot: HotCounts = field(default_factory=HotCounts, repr=False, compare=False)
     _log: list[Decision | dict[str, Any]] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -324,6 +328,7 @@ class StashStats:
                 "inside_recompute": self.inside_recompute,
                 "returned_bytes": self.returned_bytes,
                 "returns": self.returns,
+                "quiet": self.quiet,
                 "skipped": dict(self.skipped),
                 "fallbacks": dict(self.fallbacks),
                 "decisions": [_row(entry) for entry in self._log],
@@ -365,6 +370,7 @@ class StashStats:
             self.inside_recompute += data.get("inside_recompute", 0)
             self.returned_bytes += data.get("returned_bytes", 0)
             self.returns += data.get("returns", 0)
+            self.quiet += data.get("quiet", 0)
             self.skipped.update(data["skipped"])
             self.fallbacks.update(data["fallbacks"])
             if decisions:
@@ -441,6 +447,11 @@ class StashStats:
             lines.append(
                 f"handed back to the OS: {human_bytes(data['returned_bytes'])} in "
                 f"{data['returns']} call(s), faulted in again when reused"
+            )
+        if data["quiet"]:
+            lines.append(
+                f"quiet {data['quiet']} time(s): Auto's plan moved nothing, so the step ran as "
+                "plain autograd (nothing counted; see session.plan)"
             )
         if data["inside_recompute"]:
             lines.append(

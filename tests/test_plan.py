@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+from checks import top_saved_tensors_hooks
 from torch import nn
 from zoo import Block
 
 import tensorstash as ts
-from tensorstash.plan import Rates, make_plan
+from tensorstash.plan import HOOK_S, Rates, make_plan
 from tensorstash.profile import ModuleRecord, SiteRecord, StepRecord
 
 MiB = 1 << 20
@@ -181,8 +182,11 @@ def test_plan_predicts_the_base_plus_what_it_costs() -> None:
     profile = two_blocks()
     plan = make_plan(profile, 9 * MiB)
     assert plan is not None
-    assert plan.base_step_s == pytest.approx(1.0)  # a step that moved nothing
-    assert plan.predicted_step_s == pytest.approx(1.0 + 0.002)
+    # A step that moved nothing took 1 s with the hooks; before a quiet step was
+    # timed, the hooks cost HOOK_S per site, and a plan that only recomputes has none.
+    assert plan.hooks_s == pytest.approx(HOOK_S * 4)
+    assert plan.base_step_s == pytest.approx(1.0 - plan.hooks_s)
+    assert plan.quiet and plan.predicted_step_s == pytest.approx(plan.base_step_s + 0.002)
     # The real peak: the measured one less what the step held, plus the plan's,
     # or more while backward recomputes "a" with nothing saved before it.
     measured = profile.history[-1]
@@ -206,9 +210,10 @@ def test_plan_costs_recompute_at_what_backward_took_to_recompute() -> None:
     profile.history.append(StepRecord(0.4, 0.601, 9 * MiB, None, ("a",), recompute_s=0.001))
     plan = make_plan(profile, 9 * MiB)
     assert plan is not None and plan.recompute == ("a",)
-    assert plan.base_step_s == pytest.approx(1.0)  # 1.001 s less the recompute it timed
+    # 1.001 s less the recompute it timed, less the hooks (a quiet plan runs none)
+    assert plan.base_step_s == pytest.approx(1.0 - plan.hooks_s)
     assert plan.choices[0].cost_s == pytest.approx(0.001)  # half its forward time
-    assert plan.predicted_step_s == pytest.approx(1.001)
+    assert plan.predicted_step_s == pytest.approx(1.001 - plan.hooks_s)
     # Without the timing, recompute costs its forward time.
     untimed = two_blocks(cheap_s=0.002, dear_s=0.008)
     untimed.history.append(StepRecord(0.4, 0.601, 9 * MiB, None, ("a",)))
@@ -551,3 +556,109 @@ def test_auto_does_not_trim_when_told_not_to_or_when_nothing_moves() -> None:
         assert not _trim_threads()
     with pytest.raises(ValueError, match="trim_every must be a positive size"):
         ts.Auto(trim_every=0)
+
+
+# -- quiet steps (NOTE [ Quiet steps ] in auto.py) --------------------------------------------
+
+
+def _hooks_seen_by(module: nn.Module) -> list[Any]:
+    """The saved-tensor hooks pushed while ``module`` runs, one entry per call."""
+    seen: list[Any] = []
+    module.register_forward_pre_hook(lambda m, a: seen.append(top_saved_tensors_hooks()))
+    return seen
+
+
+def test_auto_runs_a_step_that_keeps_everything_without_hooks_bitwise() -> None:
+    plain, stashed = fresh(), fresh()
+    train(plain, 6)
+    seen = _hooks_seen_by(stashed.blocks[0])
+    sessions = train(stashed, 6, ts.Auto(), ticking())
+    quiet = [s.stats.quiet for s in sessions]
+    assert quiet == [0, 0, 0, 1, 1, 1]  # three steps measure (Profile.measure_steps)
+    assert all(hooks is not None for hooks in seen[:3])
+    assert all(hooks is None for hooks in seen[3:])  # plain autograd
+    for session in sessions[3:]:
+        assert session.plan is not None and session.plan.quiet
+        assert all(tier["tensors"] == 0 for tier in session.stats.to_dict()["tiers"].values())
+        assert "quiet 1 time(s)" in session.stats.table()
+    assert_same_weights(plain, stashed)
+    assert top_saved_tensors_hooks() is None and not _trim_threads()
+
+
+def test_auto_quiet_step_recomputes_what_its_plan_says_bitwise() -> None:
+    plain, stashed = fresh(), fresh()
+    train(plain, 6)
+    budget = activation_bytes(fresh(), data()) // 2
+    calls: list[int] = []  # fc1 runs again inside the block when backward recomputes it
+    stashed.blocks[0].fc1.register_forward_hook(lambda m, i, o: calls.append(1))
+    sessions = train(stashed, 6, ts.Auto(device_budget=budget), ticking())
+    last = sessions[-1]
+    assert last.stats.quiet == 1 and last.plan is not None
+    assert "blocks.0" in last.plan.recompute and not last.plan.tiers
+    assert len(calls) == 6 + 5  # once a step, and again in each planned step's backward
+    assert_same_weights(plain, stashed)
+    assert _no_trim_thread_within()  # the quiet step's trim ends with its backward
+
+
+def test_auto_quiet_step_needs_the_inputs_its_sites_were_recorded_with() -> None:
+    model, profile = fresh(), ticking()
+    auto = ts.Auto()
+    rows = [512, 512, 512, 512, 256, 256, 256, 256]
+    quiet = []
+    for count in rows:
+        with ts.stash(auto, profile=profile) as session:
+            loss = model(data(count))
+        loss.backward()
+        quiet.append(session.stats.quiet)
+    # Another batch shape runs with hooks and records its bytes, the two steps after it
+    # time the modules again (NOTE [ Profile ] rule 6), then the steps go quiet again.
+    assert quiet == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert profile.inputs == (((256, 256), "float32"),)
+
+
+def test_auto_step_is_not_quiet_with_another_hook_pair_or_a_decision_log() -> None:
+    model, profile = fresh(), ticking()
+    train(model, 3, ts.Auto(), profile)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        outer = train(model, 1, ts.Auto(), profile)[0]
+    logged = train(model, 1, ts.Auto(), profile, record=True)[0]
+    assert outer.stats.quiet == 0 and logged.stats.quiet == 0
+    assert logged.decisions  # every tensor went through the hooks
+    assert train(model, 1, ts.Auto(), profile)[0].stats.quiet == 1
+
+
+def test_auto_quiet_step_lets_pause_and_inner_sessions_work() -> None:
+    model, profile = fresh(), ticking()
+    train(model, 3, ts.Auto(), profile)
+    x = data()
+    with ts.stash(ts.Auto(), profile=profile) as session:
+        loss = model(x)
+        with ts.pause():
+            grad = torch.func.grad(lambda w: (w * x).sum())(torch.ones(256))
+        with ts.stash("lz4", min_bytes=0) as inner:
+            extra = (x.requires_grad_() * 2).sigmoid().sum()
+    (loss + extra).backward()
+    assert session.stats.quiet == 1 and torch.equal(grad, x.sum(0))
+    assert inner.stats.to_dict()["tiers"]["host"]["tensors"] >= 1
+    assert top_saved_tensors_hooks() is None
+
+
+def test_plan_prices_the_hooks_from_quiet_steps() -> None:
+    profile = two_blocks()
+    profile.quiet_history.append(StepRecord(0.3, 0.6, 0, None))  # 0.9 s without hooks
+    plan = make_plan(profile, 64 * MiB)
+    assert plan is not None and plan.quiet
+    assert plan.hooks_s == pytest.approx(0.1)
+    assert plan.base_step_s == pytest.approx(0.9) and plan.predicted_step_s == pytest.approx(0.9)
+
+
+def test_plan_recomputes_instead_of_copying_where_the_hooks_cost_more() -> None:
+    profile = two_blocks(cheap_s=0.002, dear_s=0.008)
+    profile.quiet_history.append(StepRecord(0.3, 0.6, 0, None))  # the hooks cost 0.1 s
+    plan = make_plan(profile, 9 * MiB, device="cuda", rates=Rates(link=1e12))
+    assert plan is not None and plan.quiet and plan.recompute == ("a",)
+    # Hooks that cost next to nothing: the copies the link hides are cheaper.
+    profile.quiet_history.clear()
+    profile.quiet_history.append(StepRecord(1 / 3, 2 / 3 - 1e-6, 0, None))
+    plan = make_plan(profile, 9 * MiB, device="cuda", rates=Rates(link=1e12))
+    assert plan is not None and not plan.quiet and plan.tiers and not plan.recompute

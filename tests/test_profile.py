@@ -287,6 +287,56 @@ def test_profile_state_dict_round_trips_and_plans_alike() -> None:
     assert after.predicted_step_s == pytest.approx(before.predicted_step_s)
 
 
+class Ticks:
+    """A clock that moves a microsecond each time it is read."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+
+def test_profile_times_quiet_steps_from_the_call_to_the_end_of_backward() -> None:
+    model, profile = net(), ts.Profile(clock=Ticks())
+    for _ in range(6):
+        session = step(model, batch(), profile, ts.Auto())
+    assert session.stats.quiet == 1 and profile.steps == 6
+    assert len(profile.history) == 3  # the steps that recorded their sites
+    step(model, batch(), profile, ts.Auto())  # begins by reading the last quiet step
+    assert len(profile.quiet_history) == 3
+    for record in profile.quiet_history:
+        assert record.forward_s > 0 and record.backward_s > 0 and record.moved == {}
+    assert profile.inputs == (((128, 256), "float32"),)
+
+
+def test_profile_quiet_step_without_a_backward_records_nothing() -> None:
+    model, profile = net(), ts.Profile(clock=Ticks())
+    for _ in range(3):
+        step(model, batch(), profile, ts.Auto())
+    with ts.stash(ts.Auto(), profile=profile) as session:
+        loss = model(batch())
+    assert session.stats.quiet == 1
+    del loss  # the graph is freed without a backward
+    step(model, batch(), profile, ts.Auto())
+    assert not profile.quiet_history and profile.steps == 5
+
+
+def test_profile_state_dict_keeps_the_quiet_steps_and_the_inputs() -> None:
+    model, profile = net(), ts.Profile(clock=Ticks())
+    for _ in range(5):
+        step(model, batch(), profile, ts.Auto())
+    state = profile.state_dict()  # reads the last quiet step
+    assert len(state["quiet_history"]) == 2 and state["inputs"] == [[[128, 256], "float32"]]
+    fresh = ts.Profile()
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
+    older = {key: value for key, value in state.items() if key not in ("quiet_history", "inputs")}
+    fresh.load_state_dict(older)  # a state saved before quiet steps existed
+    assert not fresh.quiet_history and fresh.inputs is None
+
+
 def test_profile_load_state_dict_rejects_another_version() -> None:
     with pytest.raises(ValueError, match="version 99"):
         ts.Profile().load_state_dict({"version": 99, "steps": 0, "sites": []})
@@ -306,6 +356,8 @@ def test_profile_takes_the_peak_once_in_a_step_under_a_new_plan() -> None:
     plans, peaks = [], []
     for _ in range(8):
         session = step(model, batch(512), profile, auto)
+        if session.stats.quiet:
+            continue  # a quiet step records no step (rule 8)
         last = profile.history[-1]
         plans.append((last.recomputed, frozenset(last.moved)))
         peaks.append(last.peak_bytes is not None)

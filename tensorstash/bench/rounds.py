@@ -46,6 +46,11 @@ model, and the numbers are only comparable if nothing but the variant differs:
    set to ":4096:8" unless the user set it), restored afterwards: some CUDA
    kernels (atomic adds in attention and embedding backward) give different
    bits on every run, and rule 4's check would then say nothing.
+   Deterministic mode also fills every ``torch.empty`` with NaN; the run turns
+   that fill off (``torch.utils.deterministic.fill_uninitialized_memory``),
+   as the kernels' bits do not depend on it: with it on, every peer that
+   allocates a pinned buffer per tensor (``save_on_cpu``) paid a pass of the
+   CPU over its bytes that no training run pays.
 9. Every ratio is the median over the timed rounds of a ratio inside one
    round (overhead, real peak against none, a plan against its twin, the
    measured overhead against the predicted one) or one step (measured peak
@@ -70,6 +75,7 @@ from pathlib import Path
 
 import torch
 
+from tensorstash._layout import without_fill
 from tensorstash.bench.measure import (
     DTYPES,
     StepResult,
@@ -251,7 +257,8 @@ def _deterministic(device: torch.device) -> Iterator[None]:
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        yield
+        with without_fill():
+            yield
     finally:
         torch.use_deterministic_algorithms(before)
 
