@@ -321,8 +321,9 @@ class Auto:
             budget = parse_bytes(self.device_budget, api, "device_budget")
         reserve = parse_bytes(self.host_reserve, api, "host_reserve")
         object.__setattr__(self, "_parsed", (budget, reserve))
-        probes = Select(_unused_rule, self.device_probe, self.host_probe, clock=self.clock)
-        object.__setattr__(self, "_probes", probes)
+        object.__setattr__(
+            self, "_probes", _shared_probes(self.device_probe, self.host_probe, self.clock)
+        )
         check_directory(self.directory, api)
         check_probes(self, api)
         if self.trim_every not in (None, "auto"):
@@ -709,6 +710,25 @@ class _AutoState:
         self.reserve = _resolve_budget(reserve, host_total)
 
     device_type = "cpu"
+
+
+_SHARED: dict[tuple[Any, ...], Select] = {}
+
+
+def _shared_probes(device: Probe, host: Probe, clock: Callable[[], float]) -> Select:
+    """The probes an Auto reads through: one reading shared by every Auto with the defaults.
+
+    ``stash("auto")`` makes an Auto each step; with its own probes each step
+    would ask the device and psutil again (``torch.cuda.mem_get_info`` and
+    ``psutil.virtual_memory``, a fraction of a millisecond each).
+    """
+    key = (device, host, clock)
+    if key != (device_memory, host_memory, time.monotonic):
+        return Select(_unused_rule, device, host, clock=clock)  # injected: not kept here
+    found = _SHARED.get(key)
+    if found is None:
+        found = _SHARED[key] = Select(_unused_rule, device, host, clock=clock)
+    return found
 
 
 def _named(module: nn.Module | None, path: str, names: tuple[str, ...]) -> bool:

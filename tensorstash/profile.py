@@ -84,7 +84,7 @@ STATE_VERSION = 3
 HISTORY = 5
 """Steps whose measurements a plan is made from (their medians)."""
 
-QUIET_NOISE = 0.1
+QUIET_NOISE = 0.25
 """How far the quiet steps' median time moves before the plan is made again (rule 8)."""
 
 Site = tuple[str, str | None, int]

@@ -32,6 +32,9 @@ def _cells(row: Row) -> list[str]:
     stash = "-"
     if row.stash_peak_bytes is not None:
         stash = " / ".join(human_bytes(row.stash_peak_bytes[tier]) for tier in TIERS)
+    if row.quiet_steps:
+        quiet = f"quiet {row.quiet_steps}/{len(row.step_times)}"
+        stash = quiet if row.stash_peak_bytes is None else f"{stash} ({quiet})"
     return [
         row.policy,
         _human(row.real_peak_bytes),
@@ -128,7 +131,9 @@ def _legend(device: torch.device) -> list[str]:
         "    brackets the measurement over the prediction, median of same-step ratios (step:",
         "    its overhead over none in its round, over the predicted step over the plan's base)",
         "stash peak: most stored bytes the stash counted per tier (disk: from pack, bytes",
-        "    still in RAM waiting for the writer included); ratio: original / stored bytes moved",
+        "    still in RAM waiting for the writer included); quiet n/m: n of the m timed steps",
+        "    ran with no hooks (Auto's plan moved nothing) and counted nothing;",
+        "    ratio: original / stored bytes moved",
         "grads equal: bitwise equal to plain autograd on every parameter, every step",
     ]
 

@@ -40,7 +40,10 @@ class Row:
         stash_peak_bytes: per tier, the most stored bytes the stash counted at
             once over the timed steps: what it counted, not what the process
             held ("disk" counts bytes from pack on, those still waiting for
-            the writer included, which are in RAM).
+            the writer included, which are in RAM). Quiet steps count nothing
+            and are left out (None if every step was quiet).
+        quiet_steps: the timed steps that ran as plain autograd (Auto's plan
+            moved nothing: NOTE [ Quiet steps ] in auto.py).
         compression_ratio: original over stored bytes of what left the device
             (None without a session).
         step_times, step_overheads, step_peak_bytes: per timed step, in order.
@@ -75,6 +78,7 @@ class Row:
     grads_equal: bool | None
     tiers: dict[str, dict[str, int]] | None = None
     stash_peak_bytes: dict[str, int] | None = None
+    quiet_steps: int = 0
     compression_ratio: float | None = None
     step_times: tuple[float, ...] = ()
     step_overheads: tuple[float, ...] = ()
@@ -211,6 +215,7 @@ def summarize(
         grads_equal=all(r.grads_equal for r in (*checked, *steps)),
         tiers=None if last is None else last["tiers"],
         stash_peak_bytes=_stash_peaks(steps),
+        quiet_steps=sum(1 for r in steps if r.stats is not None and r.stats.get("quiet")),
         compression_ratio=None if last is None else float(last["compression_ratio"]),
         step_times=times,
         step_overheads=overheads,
@@ -224,8 +229,8 @@ def summarize(
 
 
 def _stash_peaks(steps: list[StepResult]) -> dict[str, int] | None:
-    """Per tier, the largest ``peak_bytes`` over the steps (None without a session)."""
-    counted = [r.stats["tiers"] for r in steps if r.stats is not None]
+    """Per tier, the largest ``peak_bytes`` over the steps that counted (None: none did)."""
+    counted = [r.stats["tiers"] for r in steps if r.stats is not None and not r.stats.get("quiet")]
     if not counted:
         return None
     return {tier: max(int(tiers[tier]["peak_bytes"]) for tiers in counted) for tier in TIERS}
