@@ -488,7 +488,7 @@ class _AutoState:
         plan, profile = self.plan, self.profile
         if not profile.model_called(signature(args, kwargs)):
             return
-        if plan is None or plan.tiers or not plan.fits or not module.training:
+        if plan is None or not plan.quiet:
             return
         session = self.session() if self.session is not None else None
         if session is None or not session.go_quiet():
