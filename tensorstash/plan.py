@@ -207,9 +207,10 @@ def make_plan(
     step = profile.measured()
     if step is None or not profile.last:
         return None
-    plan = _solve(profile, budget, device, rates or Rates(), recompute, never, always, moves=True)
+    speeds = rates or Rates()
+    plan = _solve(profile, step, budget, device, speeds, recompute, never, always, moves=True)
     if plan.tiers and recompute:  # rule 7: without the hooks, recomputing may cost less
-        alone = _solve(profile, budget, device, rates or Rates(), True, never, always, moves=False)
+        alone = _solve(profile, step, budget, device, speeds, recompute, never, always, moves=False)
         if alone.fits and alone.predicted_step_s <= plan.predicted_step_s:
             return alone
     return plan
@@ -217,6 +218,7 @@ def make_plan(
 
 def _solve(
     profile: Profile,
+    step: StepRecord,
     budget: int,
     device: str,
     rates: Rates,
@@ -226,10 +228,7 @@ def _solve(
     *,
     moves: bool,
 ) -> Plan:
-    """One greedy plan (rule 3); ``moves``: whether sites may leave the device."""
-    step = profile.measured()
-    if step is None:
-        raise AssertionError("tensorstash: a plan made with no step measured; a bug")
+    """One greedy plan (rule 3) from the medians ``step``; ``moves``: may sites leave the device."""
     solver = _Solver(profile, budget, device, rates)
     solver.calibrate()
     for path in always:
@@ -457,7 +456,7 @@ class _Solver:
         largest = max((record.nbytes for record in self.sites.values()), default=0)
         reachable = largest if held <= self.budget else self._reachable()
         base = self.base_s - self.hooks_s  # a plain step (rule 7)
-        quiet = not tiers and held <= self.budget
+        quiet = not tiers and held <= self.budget and reachable <= self.budget  # Plan.quiet
         predicted = base + (0.0 if quiet else self.hooks_s) + sum(c.cost_s for c in choices)
         peak = None
         measured = self.profile.peak  # the last step that took the real peak
