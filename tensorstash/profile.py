@@ -399,6 +399,9 @@ class Profile:
         """Take the times of quiet steps whose backward ended and whose events completed."""
         pending = []
         for quiet in self._quiet:
+            if quiet.forward_end is None:
+                quiet.abandon()  # its forward never ended (it raised): its hook goes
+                continue
             record = quiet.record(final=final)
             if record is not None:
                 self.quiet_history.append(record)

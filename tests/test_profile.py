@@ -323,6 +323,21 @@ def test_profile_quiet_step_without_a_backward_records_nothing() -> None:
     assert not profile.quiet_history and profile.steps == 5
 
 
+def test_profile_quiet_step_whose_forward_raises_leaves_no_hook_on_the_model() -> None:
+    model, profile = net(), ts.Profile(clock=Ticks())
+    for _ in range(3):
+        step(model, batch(), profile, ts.Auto())
+    boom = model.blocks[1].register_forward_hook(lambda m, i, o: 1 / 0)
+    with pytest.raises(ZeroDivisionError), ts.stash(ts.Auto(), profile=profile) as session:
+        model(batch())
+    boom.remove()
+    assert session.stats.quiet == 1 and model._forward_hooks  # the quiet step's timing hook
+    session = step(model, batch(), profile, ts.Auto())
+    assert session.stats.quiet == 1
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert len(profile.quiet_history) == 0  # neither step's times were taken yet
+
+
 def test_profile_state_dict_keeps_the_quiet_steps_and_the_inputs() -> None:
     model, profile = net(), ts.Profile(clock=Ticks())
     for _ in range(5):
