@@ -114,9 +114,17 @@ def describe(tensor: Tensor) -> tuple[Layout, Tensor]:
 def unfilled(
     numel: int, dtype: torch.dtype, device: torch.device | str = "cpu", *, pinned: bool = False
 ) -> Tensor:
-    """``torch.empty`` for a buffer that is written whole before it is read (rule 4)."""
+    """``torch.empty`` for a buffer that is written whole before it is read (rule 4).
+
+    On every unpack that copies back: without the fill on, a plain ``torch.empty``.
+    """
+    if _DETERMINISTIC is None or not _DETERMINISTIC.fill_uninitialized_memory:
+        return torch.empty(numel, dtype=dtype, device=device, pin_memory=pinned)
     with without_fill():
         return torch.empty(numel, dtype=dtype, device=device, pin_memory=pinned)
+
+
+_DETERMINISTIC: Any = getattr(torch.utils, "deterministic", None)  # torch 2.1 and later
 
 
 @contextlib.contextmanager
@@ -126,7 +134,7 @@ def without_fill() -> Iterator[None]:
     The setting is the process's: another thread allocating in the region
     skips the fill too (a fill only ever hides reads of uninitialized memory).
     """
-    settings: Any = getattr(torch.utils, "deterministic", None)  # torch 2.1 and later
+    settings = _DETERMINISTIC
     if settings is None or not settings.fill_uninitialized_memory:
         yield
         return

@@ -215,7 +215,7 @@ def summarize(
         grads_equal=all(r.grads_equal for r in (*checked, *steps)),
         tiers=None if last is None else last["tiers"],
         stash_peak_bytes=_stash_peaks(steps),
-        quiet_steps=sum(1 for r in steps if r.stats is not None and r.stats.get("quiet")),
+        quiet_steps=sum(1 for r in steps if _quiet(r)),
         compression_ratio=None if last is None else float(last["compression_ratio"]),
         step_times=times,
         step_overheads=overheads,
@@ -230,10 +230,15 @@ def summarize(
 
 def _stash_peaks(steps: list[StepResult]) -> dict[str, int] | None:
     """Per tier, the largest ``peak_bytes`` over the steps that counted (None: none did)."""
-    counted = [r.stats["tiers"] for r in steps if r.stats is not None and not r.stats.get("quiet")]
+    counted = [r.stats["tiers"] for r in steps if r.stats is not None and not _quiet(r)]
     if not counted:
         return None
     return {tier: max(int(tiers[tier]["peak_bytes"]) for tiers in counted) for tier in TIERS}
+
+
+def _quiet(step: StepResult) -> bool:
+    """Whether the step ran as plain autograd (its session counted nothing)."""
+    return step.stats is not None and bool(step.stats.get("quiet"))
 
 
 def _median_of(values: Iterable[float]) -> float | None:
