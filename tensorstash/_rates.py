@@ -9,6 +9,7 @@ and reused for ``REUSE_S`` seconds.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import tempfile
 import time
@@ -78,6 +79,39 @@ def _probe_lz4() -> float:
     packed = lz4.block.compress(sample, store_size=False)
     lz4.block.decompress(packed, uncompressed_size=len(sample))
     return PROBE_BYTES / max(time.perf_counter() - start, 1e-6)
+
+
+def refault_rate() -> float:
+    """Bytes per second of handing pages back to the OS and faulting them in again.
+
+    What a ``malloc_trim`` costs a step per byte it hands back (NOTE [ Plan ]
+    rule 8): a fresh mapping is written once (its pages faulted in), written
+    again (resident), then handed back with ``MADV_DONTNEED`` and written
+    again; the rate is the bytes over the third write's and the hand-back's
+    time less the second write's. Zero where there is no ``madvise``.
+    """
+    return _reused("refault", _probe_refault)
+
+
+def _probe_refault() -> float:
+    dontneed = getattr(mmap, "MADV_DONTNEED", None)
+    if dontneed is None:
+        return 0.0
+    mapping = mmap.mmap(-1, 2 * PROBE_BYTES)
+    try:
+        pages = torch.frombuffer(mapping, dtype=torch.uint8)
+        pages.fill_(1)
+        start = time.perf_counter()
+        pages.fill_(2)
+        resident = time.perf_counter() - start
+        start = time.perf_counter()
+        mapping.madvise(dontneed)
+        pages.fill_(3)
+        again = time.perf_counter() - start
+        del pages
+    finally:
+        mapping.close()
+    return 2 * PROBE_BYTES / max(again - resident, 1e-6)
 
 
 def link_rate(device: torch.device) -> float:

@@ -376,6 +376,10 @@ class Auto:
 CPU_CONTENTION = 3.0
 """How much more a byte moved on a busy CPU costs the step than a probe of it took."""
 
+REFAULT_CONTENTION = 2.0
+"""How much more a page handed back and faulted in again costs a step than its probe took
+(NOTE [ Plan ] rule 8: 0.31-0.52 ms per MiB in the step against 0.2 probed, 2 cores)."""
+
 TRIM_LEAST = 16 << 20
 """The least ``trim_every`` "auto" chooses (NOTE [ Returning memory ] in _trim.py, rule 6)."""
 
@@ -531,6 +535,7 @@ class _AutoState:
             never=lambda path: _named(profile.module(path), path, auto.never_recompute),
             always=_paths(profile, auto.always_recompute),
             rates=self._rates(root),
+            trims=device == "cpu" and auto.trim_every is not None,  # as _watch does
         ))  # fmt: skip
         if plan is not None and not plan.fits and profile.warn_unreachable(self.budget):
             warnings.warn(
@@ -554,7 +559,8 @@ class _AutoState:
         # says too little. Until a step measured it (Plan rule 6), a byte costs
         # CPU_CONTENTION times what the probe took.
         disk, lz4 = _rates.disk_rate(self.auto.directory), _rates.compress_rate()
-        return Rates(disk=disk / CPU_CONTENTION, compress=lz4 / CPU_CONTENTION)
+        refault = _rates.refault_rate() / REFAULT_CONTENTION or Rates.refault
+        return Rates(disk=disk / CPU_CONTENTION, compress=lz4 / CPU_CONTENTION, refault=refault)
 
     def _recompute(self, paths: tuple[str, ...]) -> None:
         profile = self.profile

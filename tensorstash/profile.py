@@ -149,6 +149,9 @@ class StepRecord:
             peak; its times are not those of training (rule 6).
         recompute_s: seconds backward spent recomputing the plan's modules,
             or None where they were not timed (NOTE [ Recompute ] rule 7).
+        returned_bytes: memory the session handed back to the OS in the step
+            (``StashStats.returned_bytes``: Auto's ``Watch``, a disk spill's
+            trimmer), which the process faults in again (NOTE [ Plan ] rule 8).
     """
 
     forward_s: float
@@ -160,6 +163,7 @@ class StepRecord:
     moved: dict[str, int] = field(default_factory=dict)
     cold: bool = False
     recompute_s: float | None = None
+    returned_bytes: int = 0
 
     @property
     def seconds(self) -> float:
@@ -391,7 +395,7 @@ class Profile:
             return None
         step.cancel()
         self.steps += 1
-        quiet = _QuietStep(self, root, step.device, recomputed)
+        quiet = _QuietStep(self, root, step.device, recomputed, step.ctx.stats)
         self._quiet.append(quiet)
         return quiet
 
@@ -579,6 +583,7 @@ class Profile:
             recomputed=recomputed,
             policy_s=statistics.median(rec.policy_s for rec in same),
             moved=same[-1].moved,
+            returned_bytes=int(statistics.median(rec.returned_bytes for rec in same)),
         )
 
 
@@ -647,6 +652,7 @@ def _step_row(record: StepRecord) -> dict[str, Any]:
         "moved": dict(record.moved),
         "cold": record.cold,
         "recompute_s": record.recompute_s,
+        "returned_bytes": record.returned_bytes,
     }
 
 
@@ -661,6 +667,7 @@ def _step_record(row: dict[str, Any]) -> StepRecord:
         {str(tier): int(n) for tier, n in row["moved"].items()},
         bool(row["cold"]),
         None if row["recompute_s"] is None else float(row["recompute_s"]),
+        int(row.get("returned_bytes", 0)),  # absent in older states
     )
 
 
@@ -847,6 +854,7 @@ class _Step:
             moved={tier: nbytes for tier, nbytes in moved.items() if nbytes},
             cold=self.cold,
             recompute_s=recompute_s,
+            returned_bytes=stats.returned_bytes,
         )
         self.profile._finished(self, record)
 
@@ -866,9 +874,11 @@ class _QuietStep:
         root: nn.Module,
         device: torch.device,
         recomputed: tuple[str, ...],
+        stats: Any,
     ) -> None:
         self.profile = weakref.ref(profile)
         self.recomputed = recomputed
+        self.stats = stats  # the session's: what its Watch handed back to the OS
         self.timer: _CpuTimer | _CudaTimer = (
             _CudaTimer(device) if device.type == "cuda" else _CpuTimer(profile.clock)
         )
@@ -935,6 +945,7 @@ class _QuietStep:
             peak_bytes=None,
             recomputed=self.recomputed,
             recompute_s=recompute_s,
+            returned_bytes=self.stats.returned_bytes,
         )
 
 

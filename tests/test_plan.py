@@ -662,3 +662,69 @@ def test_plan_recomputes_instead_of_copying_where_the_hooks_cost_more() -> None:
     profile.quiet_history.append(StepRecord(1 / 3, 2 / 3 - 1e-6, 0, None))
     plan = make_plan(profile, 9 * MiB, device="cuda", rates=Rates(link=1e12))
     assert plan is not None and not plan.quiet and plan.tiers and not plan.recompute
+
+
+# -- the pages a trimmed step hands back (NOTE [ Plan ] rule 8) ------------------------------
+
+
+def test_plan_prices_the_pages_its_steps_hand_back_to_the_os() -> None:
+    profile = two_blocks(cheap_s=0.002, dear_s=0.008)
+    rates = Rates(refault=8 * MiB / 0.01)  # 10 ms per 8 MiB faulted in again
+    # Before a step ran the plan's recompute, it hands back about a step's activation bytes.
+    plan = make_plan(profile, 9 * MiB, rates=rates, trims=True)
+    assert plan is not None and plan.recompute == ("a",)
+    assert plan.returned_bytes == 16 * MiB and plan.trim_s == pytest.approx(0.02)
+    assert plan.predicted_step_s == pytest.approx(plan.base_step_s + 0.002 + 0.02)
+    assert "hands 16.0 MiB back to the OS, 20.0 ms" in plan.table()
+    # Warm steps that recomputed "a" handed back 8 MiB (median) and each took 10 ms
+    # more for it: their time less those 10 ms, and the recompute, is the base.
+    for returned in (4 * MiB, 8 * MiB, 12 * MiB):
+        seconds = 1.0 + 0.002 + returned / rates.refault
+        profile.quiet_history.append(
+            StepRecord(seconds / 3, 2 * seconds / 3, 0, None, ("a",), returned_bytes=returned)
+        )
+    plan = make_plan(profile, 9 * MiB, rates=rates, trims=True)
+    assert plan is not None and plan.quiet and plan.recompute == ("a",)
+    assert plan.returned_bytes == 8 * MiB and plan.trim_s == pytest.approx(0.01)
+    assert plan.predicted_step_s == pytest.approx(1.0 - plan.hooks_s + 0.002 + 0.01)
+    assert plan.hooks_s == pytest.approx(0.0, abs=1e-9)  # the quiet steps cost 1 s too
+    # Where nothing trims (CUDA, or trim_every=None), or nothing is saved, nothing is priced.
+    for made in (
+        make_plan(profile, 9 * MiB, rates=rates),
+        make_plan(profile, 64 * MiB, rates=rates, trims=True),
+    ):
+        assert made is not None and made.returned_bytes == 0 and made.trim_s == 0.0
+
+
+def test_profile_records_what_each_step_handed_back() -> None:
+    model = fresh()
+    profile = ticking()
+    for _ in range(2):  # hooked steps: the first measures
+        with ts.stash("auto", profile=profile) as session:
+            loss = model(data())
+        session.stats.returned(3 * MiB)
+        loss.backward()
+        assert profile.history[-1].returned_bytes == 3 * MiB
+    profile.measure_steps = 0
+    train(model, 2, "auto", profile)  # the sites of these inputs are recorded
+    with ts.stash("auto", profile=profile) as session:  # a quiet step
+        loss = model(data())
+    session.stats.returned(5 * MiB)
+    loss.backward()
+    assert session.stats.quiet == 1
+    with ts.stash("auto", profile=profile):
+        pass  # the next step reads the quiet one's times
+    assert profile.quiet_history[-1].returned_bytes == 5 * MiB
+    state = profile.state_dict()
+    assert state["history"][-1]["returned_bytes"] == profile.history[-1].returned_bytes
+    del state["history"][-1]["returned_bytes"]  # a state saved before it was recorded
+    restored = ts.Profile()
+    restored.load_state_dict(state)
+    assert restored.history[-1].returned_bytes == 0
+    assert restored.quiet_history[-1].returned_bytes == 5 * MiB
+
+
+def test_refault_probe_measures_a_rate() -> None:
+    from tensorstash import _rates
+
+    assert _rates.refault_rate() > 0
