@@ -42,6 +42,7 @@ import functools
 import re
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -416,7 +417,7 @@ class _AutoState:
         self.plan: Plan | None = None
         self.planned_for = False  # whether this step's plan was made
         self.recomputed: list[tuple[str, nn.Module]] = []
-        self.cache_off: Any = None  # a model config whose use_cache was turned off
+        self.cache_off: list[Any] = []  # model configs whose use_cache was turned off
         self.stats = ctx.stats
         self.watch: Watch | None = None  # returns freed memory in a planned CPU step
         self.session = ctx.session  # a weak reference (rule 10 of NOTE [ Session ])
@@ -517,9 +518,9 @@ class _AutoState:
         for _, module in self.recomputed:
             unwrap_for_plan(module)
         self.recomputed = []
-        if self.cache_off is not None:
-            self.cache_off.use_cache = True
-            self.cache_off = None
+        for config in self.cache_off:
+            config.use_cache = True
+        self.cache_off = []
         self.planned_for = False
 
     def _plan(self, root: nn.Module) -> Plan | None:
@@ -589,12 +590,16 @@ class _AutoState:
         layer would keep every layer's keys and values alive through it; Hugging
         Face's own gradient checkpointing turns the cache off for this reason.
         Turned off in every training step of a plan, the first included, so the
-        steps it measures are the steps it runs.
+        steps it measures are the steps it runs. The configs are those of the
+        model and of every module in it: a model of the user's own that wraps
+        a Hugging Face one has none at its root (on the bench's HF GPT-2
+        config, recomputing every block with the cache left on held 0.88-0.91
+        of no stash's real peak, against 0.75 without it).
         """
-        config = getattr(root, "config", None)
-        if config is not None and getattr(config, "use_cache", None) is True:
-            config.use_cache = False
-            self.cache_off = config
+        for config in _cache_configs(root):
+            if config.use_cache is True:
+                config.use_cache = False
+                self.cache_off.append(config)
 
     # The rules -----------------------------------------------------------------
 
@@ -761,6 +766,25 @@ _BUDGET_REACHED = Reason(Why.BUDGET_REACHED)
 _PLANNED_KEEP = reason(Why.PLANNED, "plan: keep")
 _OVER_PLAN = reason(Why.OVER_PLAN, "plan: keep")
 _PLANNED = {tier: reason(Why.PLANNED, f"plan: {tier}") for tier in ("host", "compressed", "disk")}
+
+
+_configs: weakref.WeakKeyDictionary[nn.Module, tuple[Any, ...]] = weakref.WeakKeyDictionary()
+
+
+def _cache_configs(root: nn.Module) -> tuple[Any, ...]:
+    """The distinct configs with a ``use_cache`` of ``root`` and the modules in it.
+
+    Found once per model: a module tree is walked when a model is first planned for.
+    """
+    found = _configs.get(root)
+    if found is None:
+        seen: dict[int, Any] = {}
+        for module in root.modules():
+            config = getattr(module, "config", None)
+            if config is not None and hasattr(config, "use_cache"):
+                seen.setdefault(id(config), config)
+        found = _configs[root] = tuple(seen.values())
+    return found
 
 
 def _holding(stats: StashStats) -> bool:

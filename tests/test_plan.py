@@ -453,12 +453,27 @@ def gpt2() -> Iterator[Any]:
     yield transformers.GPT2LMHeadModel(config)
 
 
-def test_auto_runs_a_hugging_face_model_without_its_kv_cache_while_recomputing(gpt2: Any) -> None:
+class _UsersModel(nn.Module):
+    """A model of the user's own around a Hugging Face one: no ``config`` at its root."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        return self.inner(input_ids=input_ids, labels=labels)
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["hf-model", "wrapped"])
+def test_auto_runs_a_hugging_face_model_without_its_kv_cache_while_recomputing(
+    gpt2: Any, wrapped: bool
+) -> None:
     ids = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(0))
     plain = copy.deepcopy(gpt2)
     plain(input_ids=ids, labels=ids).loss.backward()
+    model = _UsersModel(gpt2) if wrapped else gpt2
     with ts.stash(ts.Keep()) as probe:
-        loss = gpt2(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     gpt2.zero_grad(set_to_none=True)
     budget = probe.stats.to_dict()["tiers"]["kept"]["peak_bytes"] // 3
@@ -467,7 +482,7 @@ def test_auto_runs_a_hugging_face_model_without_its_kv_cache_while_recomputing(g
     for _ in range(3):
         gpt2.zero_grad(set_to_none=True)
         with ts.stash(ts.Auto(device_budget=budget), profile=profile) as session:
-            loss = gpt2(input_ids=ids, labels=ids).loss
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
     assert session.plan is not None and session.plan.recompute
     assert seen == [False, False, False] and gpt2.config.use_cache is True
