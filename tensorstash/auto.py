@@ -377,10 +377,6 @@ class Auto:
 CPU_CONTENTION = 3.0
 """How much more a byte moved on a busy CPU costs the step than a probe of it took."""
 
-REFAULT_CONTENTION = 2.0
-"""How much more a page handed back and faulted in again costs a step than its probe took
-(NOTE [ Plan ] rule 8: 0.31-0.52 ms per MiB in the step against 0.2 probed, 2 cores)."""
-
 TRIM_LEAST = 16 << 20
 """The least ``trim_every`` "auto" chooses (NOTE [ Returning memory ] in _trim.py, rule 6)."""
 
@@ -560,7 +556,7 @@ class _AutoState:
         # says too little. Until a step measured it (Plan rule 6), a byte costs
         # CPU_CONTENTION times what the probe took.
         disk, lz4 = _rates.disk_rate(self.auto.directory), _rates.compress_rate()
-        refault = _rates.refault_rate() / REFAULT_CONTENTION or Rates.refault
+        refault = _rates.refault_rate() or Rates.refault  # what the step pays: NOTE [ Plan ] 8
         return Rates(disk=disk / CPU_CONTENTION, compress=lz4 / CPU_CONTENTION, refault=refault)
 
     def _recompute(self, paths: tuple[str, ...]) -> None:

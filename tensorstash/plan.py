@@ -54,11 +54,14 @@
    _trim.py), and the step faults those pages in again: on an HF GPT-2 config
    (4 layers, d=256, batch 4x128, 2 cores) the plans at 25-75% of its
    activation bytes handed back 67-107 MiB a step, which cost 0.31-0.52 ms
-   per MiB, 0.2-0.3x none's step, the most of their overhead. The plan
-   prices it: the bytes the steps that ran its recompute handed back
-   (``StepRecord.returned_bytes``, their median; before such a step, the
-   step's activation bytes) at ``Rates.refault``, and a measured step's
-   time less that cost is its time without it (rule 6).
+   per MiB, 0.2-0.3x none's step, the most of their overhead (0.17-0.31 ms
+   once the KV cache no longer stayed on). The plan prices it: the bytes the
+   steps that ran its recompute handed back (``StepRecord.returned_bytes``,
+   their median; before such a step, the step's activation bytes) at
+   ``Rates.refault``, probed as pages handed back and written again (about
+   0.2 ms per MiB there), and a measured step's time less that cost is its
+   time without it (rule 6). Charging twice the probe put the predicted
+   steps 1.2-1.25x over the measured ones.
 """
 
 from __future__ import annotations
@@ -88,8 +91,8 @@ LINK_BYTES_PER_S = 20e9
 """Device to host and back (PCIe); measured on the device where it can be."""
 CALIBRATION_SPREAD = 4.0
 """A measured cost per byte moved counts down to 1/CALIBRATION_SPREAD of the assumed one."""
-REFAULT_BYTES_PER_S = 2.5e9
-"""Handing memory back to the OS and faulting it in again, per second of a busy CPU (rule 8)."""
+REFAULT_BYTES_PER_S = 5e9
+"""Handing memory back to the OS and faulting it in again, per second (rule 8), until probed."""
 HOOK_S = 70e-6
 """What the hooks cost a step per call site, until steps with and without them were timed
 (an H200 host, the bench's ``medium`` model: 9 ms a step over its 124 sites and 93 module
