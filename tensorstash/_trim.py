@@ -46,9 +46,12 @@
    of the step's activation bytes. On an HF GPT-2 config (4 layers, d=256,
    batch 4x128) at half its activation bytes, real peak growth against
    none's, and step time against checkpointing every block (whose peak was
-   0.74-0.79 of none's): no trimming 0.82-0.91 at 0.91-0.95x; 64 MiB
-   0.74-0.78 at 0.95-1.03x; 48 MiB 0.65-0.66 at 0.97-1.12x; 32 MiB 0.59-0.63
-   at 1.12-1.19x; 16 MiB 0.49-0.51 at 1.25x.
+   0.79 of none's; benchmarks/auto_trim.py, 12 rounds): no trimming 0.88 at
+   0.93x; 64 MiB 0.80 at 1.03x; 48 MiB 0.68 at 1.13x; 32 MiB 0.60 at 1.14x;
+   16 MiB 0.51 at 1.26x. (Before ``Auto`` turned off the key-value cache of a
+   model wrapped in the user's own module, these were 0.82-0.91 at
+   0.91-0.95x, 0.74-0.78 at 0.95-1.03x, 0.65-0.66 at 0.97-1.12x, 0.59-0.63 at
+   1.12-1.19x and 0.49-0.51 at 1.25x; the rules below were measured then.)
 7. Handing memory back and faulting it in again is the price, so it is
    counted: ``StashStats.returned_bytes``, the bytes the resident set fell by
    over the session's calls, and ``StashStats.returns``, the calls (for a
