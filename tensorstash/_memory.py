@@ -88,7 +88,7 @@ def return_free_memory() -> None:
     release_free_heap()
 
 
-def _minor_faults() -> int | None:
+def minor_faults() -> int | None:
     """The process's minor page faults so far, or None where ``getrusage`` is missing."""
     if resource is None:
         return None
@@ -139,7 +139,7 @@ class PeakRss:
     def __enter__(self) -> PeakRss:
         reset = self._resettable and _reset_high_water_rss()
         self._start = current_rss()
-        self._faults = _minor_faults()
+        self._faults = minor_faults()
         if not reset:
             self.sampled = True
             self._most = self._start
@@ -155,7 +155,7 @@ class PeakRss:
             self._thread.join()
             peak = max(self._most, current_rss())
         self.delta_bytes = max(0, peak - self._start)
-        faults = _minor_faults()
+        faults = minor_faults()
         if faults is not None and self._faults is not None:
             self.faulted_bytes = (faults - self._faults) * PAGE_SIZE
 

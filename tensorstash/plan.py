@@ -49,19 +49,24 @@
    plan that only recomputes is made too, and taken when it fits and is
    predicted no slower: on a model whose step is bound by launching kernels
    the hooks cost more than recomputing a few modules.
-8. On the CPU a plan that saves bytes also hands freed memory back to the OS
-   as the step runs (``Auto``'s ``Watch``: NOTE [ Returning memory ] in
-   _trim.py), and the step faults those pages in again: on an HF GPT-2 config
-   (4 layers, d=256, batch 4x128, 2 cores) the plans at 25-75% of its
-   activation bytes handed back 67-107 MiB a step, which cost 0.31-0.52 ms
-   per MiB, 0.2-0.3x none's step, the most of their overhead (0.17-0.31 ms
-   once the KV cache no longer stayed on). The plan prices it: the bytes the
-   steps that ran its recompute handed back (``StepRecord.returned_bytes``,
-   their median; before such a step, the step's activation bytes) at
-   ``Rates.refault``, probed as pages handed back and written again (about
-   0.2 ms per MiB there), and a measured step's time less that cost is its
-   time without it (rule 6). Charging twice the probe put the predicted
-   steps 1.2-1.25x over the measured ones.
+8. A step's time includes the pages it faults in: fresh memory it touches,
+   about 0.2 ms per MiB on a 2-core machine. How many depends on the plan and
+   on the heap: on the CPU a plan that saves bytes hands freed memory back to
+   the OS as the step runs (``Auto``'s ``Watch``: NOTE [ Returning memory ] in
+   _trim.py), and the step faults those pages in again (on an HF GPT-2 config,
+   4 layers, d=256, batch 4x128, 2 cores, the plans at 25-75% of its
+   activation bytes handed back 67-107 MiB a step, which cost 0.17-0.52 ms
+   per MiB); a step begun from a heap handed back to the OS (the bench's, the
+   acceptance checks') faults in all it touches, which a plan holding less
+   touches less of (the bench's ``medium`` on the CPU, at half its activation
+   bytes, recomputed 0.7 s of forward and its step took no longer than none's).
+   So each step's faulted bytes are counted (``StepRecord.faulted_bytes``,
+   minor faults), a measured step's time less their cost at ``Rates.refault``
+   is its time without them (rule 6), and a plan adds the faults of the steps
+   that ran it (their median) or, before one did, those of the measured step
+   less what its held bytes touched, plus what the plan's do; where the plan's
+   steps hand memory back and none ran yet, at least the step's activation
+   bytes. ``Rates.refault`` is probed as pages handed back and written again.
 """
 
 from __future__ import annotations
@@ -133,16 +138,16 @@ class Plan:
         tiers: the tier of each site that does not stay ("keep" for the others).
         choices: the savings taken, cheapest per byte first.
         base_step_s: the predicted time of a plain step: nothing recomputed or
-            moved, no hooks (rule 7).
+            moved, no hooks (rule 7), with the pages it faults in (rule 8).
         predicted_step_s: forward and backward seconds with this plan.
         predicted_peak_bytes: the real peak memory growth over a step, or None
             before a step's peak was measured.
         hooks_s: what the saved-tensor hooks cost a step (rule 7): in
             ``base_step_s``, and in a hooked plan's predicted step, not in a
             quiet one's.
-        returned_bytes: memory the plan's steps hand back to the OS (rule 8).
-        trim_s: what faulting those bytes in again costs a step (rule 8): in
-            ``predicted_step_s``.
+        faulted_bytes: the pages a step of the plan faults in (rule 8).
+        faults_s: what faulting them in costs a step (rule 8): in
+            ``predicted_step_s`` (``base_step_s`` has a plain step's).
     """
 
     budget: int
@@ -156,8 +161,8 @@ class Plan:
     predicted_step_s: float = 0.0
     predicted_peak_bytes: int | None = None
     hooks_s: float = 0.0
-    returned_bytes: int = 0
-    trim_s: float = 0.0
+    faulted_bytes: int = 0
+    faults_s: float = 0.0
 
     @property
     def quiet(self) -> bool:
@@ -195,11 +200,8 @@ class Plan:
         overhead = self.predicted_step_s / self.base_step_s if self.base_step_s > 0 else 1.0
         peak = "-" if self.predicted_peak_bytes is None else human_bytes(self.predicted_peak_bytes)
         hooks = "no hooks (a quiet step)" if self.quiet else f"hooks {1e3 * self.hooks_s:.1f} ms"
-        if self.returned_bytes:
-            hooks += (
-                f"; hands {human_bytes(self.returned_bytes)} back to the OS, "
-                f"{1e3 * self.trim_s:.1f} ms"
-            )
+        if self.faulted_bytes:
+            hooks += f"; faults in {human_bytes(self.faulted_bytes)}, {1e3 * self.faults_s:.1f} ms"
         lines.append(
             f"predicted step {self.predicted_step_s:.3f} s ({overhead:.2f}x of a plain step; "
             f"{hooks}), real peak growth {peak}"
@@ -490,12 +492,13 @@ class _Solver:
         held = max(self.held, 0)
         largest = max((record.nbytes for record in self.sites.values()), default=0)
         reachable = largest if held <= self.budget else self._reachable()
-        base = self.base_s - self.hooks_s  # a plain step (rule 7)
+        base = self.base_s - self.hooks_s  # a plain step (rule 7), without its faults (rule 8)
         quiet = not tiers and held <= self.budget and reachable <= self.budget  # Plan.quiet
-        returned = self._returned(recompute, bool(tiers)) if choices and self.trims else 0
-        trim_s = self._trim_s(returned)
+        faulted = self._faulted(recompute, bool(tiers), held)
+        faults_s = self._faults_s(faulted)
         predicted = base + (0.0 if quiet else self.hooks_s) + sum(c.cost_s for c in choices)
-        predicted += trim_s
+        predicted += faults_s
+        base += self._faults_s(self._faulted((), False, self.activation))  # as a plain step runs
         peak = None
         measured = self.profile.peak  # the last step that took the real peak
         if measured is not None and measured.peak_bytes is not None:
@@ -515,12 +518,14 @@ class _Solver:
             predicted_step_s=predicted,
             predicted_peak_bytes=peak,
             hooks_s=self.hooks_s,
-            returned_bytes=returned,
-            trim_s=trim_s,
+            faulted_bytes=faulted,
+            faults_s=faults_s,
         )
 
-    def _returned(self, recompute: tuple[str, ...], moves: bool) -> int:
-        """Rule 8: what the steps that ran this recompute (and moved, or not) handed back."""
+    def _faulted(self, recompute: tuple[str, ...], moves: bool, held: int) -> int:
+        """Rule 8: the pages a step of this plan faults in: as the steps that ran it did
+        (this recompute, and moving or not), or as the measured step did, less the bytes
+        it held and plus the plan's."""
         profile = self.profile
         steps = [
             s
@@ -528,12 +533,19 @@ class _Solver:
             if s.recomputed == recompute and bool(s.moved) == moves
         ]
         steps = [s for s in steps if not s.cold] or steps
-        if not steps:
-            return self.activation  # not run yet: about a step's activation bytes
-        return int(statistics.median(s.returned_bytes for s in steps))
+        if steps:
+            return int(statistics.median(s.faulted_bytes for s in steps))
+        step = profile.measured()
+        if step is None:
+            return 0
+        estimate = step.faulted_bytes + self._effective_held(recompute, held)
+        estimate -= self._effective_held(step.recomputed, step.held_bytes)
+        if self.trims and (recompute or moves):
+            estimate = max(estimate, self.activation)  # the pages its trims hand back
+        return max(estimate, 0)
 
-    def _trim_s(self, returned: int) -> float:
-        return returned / self.rates.refault if self.rates.refault > 0 else 0.0
+    def _faults_s(self, faulted: int) -> float:
+        return faulted / self.rates.refault if self.rates.refault > 0 else 0.0
 
     def calibrate(self) -> None:
         """Rule 6: the step time with nothing moved, and what moving a byte cost, from the steps.
@@ -560,7 +572,7 @@ class _Solver:
             self.recompute_factor = min(max(factor, 1 / CALIBRATION_SPREAD), CALIBRATION_SPREAD)
         clean = [s.seconds - self._cost_of(s) for s in steps if not s.moved] or [
             s.seconds - self._cost_of(s) for s in history if not s.moved
-        ]  # _cost_of: the recompute and the pages handed back (rule 8)
+        ]  # _cost_of: the recompute and the pages faulted in (rule 8)
         if clean:
             self.base_s = statistics.median(clean)
         else:
@@ -605,12 +617,12 @@ class _Solver:
         return sum(self.modules[p].forward_s for p in outer if p in self.modules)
 
     def _cost_of(self, step: StepRecord) -> float:
-        """What its plan cost ``step`` past moving bytes: its recompute, as timed in its
-        backward or as the model says, and the pages it handed back (rule 8)."""
-        trim = self._trim_s(step.returned_bytes)
+        """What ``step`` spent past a plain step's work and moving bytes: its recompute,
+        as timed in its backward or as the model says, and the pages it faulted in (rule 8)."""
+        faults = self._faults_s(step.faulted_bytes)
         if step.recompute_s is not None:
-            return step.recompute_s + trim
-        return self._forward_of(step.recomputed) * self.recompute_factor + trim
+            return step.recompute_s + faults
+        return self._forward_of(step.recomputed) * self.recompute_factor + faults
 
     def _effective_held(self, recomputed: tuple[str, ...], held: int) -> int:
         """Rule 6: the held bytes at the peak: when forward ends, or while backward recomputes."""

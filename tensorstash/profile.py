@@ -74,8 +74,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from tensorstash import _modules
-from tensorstash._memory import CudaPeak, PeakRss, meter
-from tensorstash._trim import release_free_heap
+from tensorstash._memory import CudaPeak, PeakRss, meter, minor_faults
+from tensorstash._trim import PAGE_SIZE, release_free_heap
 from tensorstash.recompute import in_plan_region, is_checkpointed, take_recompute_seconds
 
 STATE_VERSION = 3
@@ -152,6 +152,9 @@ class StepRecord:
         returned_bytes: memory the session handed back to the OS in the step
             (``StashStats.returned_bytes``: Auto's ``Watch``, a disk spill's
             trimmer), which the process faults in again (NOTE [ Plan ] rule 8).
+        faulted_bytes: the pages the process faulted in over the step (minor
+            faults times the page size; 0 where there is no ``getrusage``):
+            fresh memory the step touched (NOTE [ Plan ] rule 8).
     """
 
     forward_s: float
@@ -164,6 +167,7 @@ class StepRecord:
     cold: bool = False
     recompute_s: float | None = None
     returned_bytes: int = 0
+    faulted_bytes: int = 0
 
     @property
     def seconds(self) -> float:
@@ -584,6 +588,7 @@ class Profile:
             policy_s=statistics.median(rec.policy_s for rec in same),
             moved=same[-1].moved,
             returned_bytes=int(statistics.median(rec.returned_bytes for rec in same)),
+            faulted_bytes=int(statistics.median(rec.faulted_bytes for rec in same)),
         )
 
 
@@ -653,6 +658,7 @@ def _step_row(record: StepRecord) -> dict[str, Any]:
         "cold": record.cold,
         "recompute_s": record.recompute_s,
         "returned_bytes": record.returned_bytes,
+        "faulted_bytes": record.faulted_bytes,
     }
 
 
@@ -668,6 +674,7 @@ def _step_record(row: dict[str, Any]) -> StepRecord:
         bool(row["cold"]),
         None if row["recompute_s"] is None else float(row["recompute_s"]),
         int(row.get("returned_bytes", 0)),  # absent in older states
+        int(row.get("faulted_bytes", 0)),
     )
 
 
@@ -712,6 +719,7 @@ class _Step:
         self._timer: _CpuTimer | _CudaTimer = _CpuTimer(profile.clock)
         self._meter: PeakRss | CudaPeak | None = None
         self._begun = self._timer.mark()
+        self._faults = minor_faults()
         self._forward_end: Any = None
         self._held = 0
         self._backward = False
@@ -855,6 +863,7 @@ class _Step:
             cold=self.cold,
             recompute_s=recompute_s,
             returned_bytes=stats.returned_bytes,
+            faulted_bytes=_faulted_since(self._faults),
         )
         self.profile._finished(self, record)
 
@@ -883,6 +892,8 @@ class _QuietStep:
             _CudaTimer(device) if device.type == "cuda" else _CpuTimer(profile.clock)
         )
         self.begun = self.timer.mark()
+        self.faults = minor_faults()
+        self.faulted = 0
         self.forward_end: Any = None
         self.end: Any = None
         self.ended = False
@@ -909,6 +920,7 @@ class _QuietStep:
 
     def _backward_ended(self) -> None:
         self.end = self.timer.mark()
+        self.faulted = _faulted_since(self.faults)
         self.ended = True
 
     def _freed(self) -> None:
@@ -946,7 +958,14 @@ class _QuietStep:
             recomputed=self.recomputed,
             recompute_s=recompute_s,
             returned_bytes=self.stats.returned_bytes,
+            faulted_bytes=self.faulted,
         )
+
+
+def _faulted_since(faults: int | None) -> int:
+    """Bytes the process faulted in since ``faults`` minor faults (0 where none are counted)."""
+    now = minor_faults()
+    return 0 if faults is None or now is None else (now - faults) * PAGE_SIZE
 
 
 def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:

@@ -377,14 +377,21 @@ def test_planned_steps_is_what_run_bench_ticks() -> None:
     assert ticks.count("auto:1MiB" + bench.NO_PLAN) == 2 and "trl" not in ticks
 
 
-def test_round_order_rotates_and_twins_take_turns() -> None:
+def test_round_order_rotates_the_first_shuffles_the_rest_and_twins_take_turns() -> None:
     twin = "auto:8MiB" + bench.NO_PLAN
-    groups = [["none"], ["auto:8MiB", twin], ["lz4"]]
-    assert rounds.round_order(groups, 0) == ["none", "auto:8MiB", twin, "lz4"]
-    assert rounds.round_order(groups, 1) == [twin, "auto:8MiB", "lz4", "none"]
-    assert rounds.round_order(groups, 2) == ["lz4", "none", "auto:8MiB", twin]
-    firsts = {rounds.round_order(groups, index)[0] for index in range(3)}
-    assert firsts == {"none", twin, "lz4"}
+    groups = [["none"], ["auto:8MiB", twin], ["lz4"], ["disk"], ["cpu"]]
+    orders = [rounds.round_order(groups, index) for index in range(10)]
+    for index, order in enumerate(orders):
+        assert sorted(order) == sorted(name for group in groups for name in group)
+        at = order.index("auto:8MiB")  # twins side by side, each first in turn
+        pair = order[at - 1 : at + 1] if index % 2 else order[at : at + 2]
+        assert pair == ([twin, "auto:8MiB"] if index % 2 else ["auto:8MiB", twin])
+    assert [order[0] for order in orders[:5]] == ["none", twin, "lz4", "disk", "cpu"]
+    assert orders == [rounds.round_order(groups, index) for index in range(10)]  # seeded
+    # No variant always follows the same one (a plain rotation would: rule 1).
+    for name in ("none", "lz4", "disk", "cpu"):
+        before = {order[order.index(name) - 1] for order in orders if order[0] != name}
+        assert len(before) >= 2, (name, before)
 
 
 # -- --memory-snapshot -----------------------------------------------------------------

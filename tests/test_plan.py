@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
+import mmap
 import threading
 import time
 import warnings
@@ -679,47 +681,64 @@ def test_plan_recomputes_instead_of_copying_where_the_hooks_cost_more() -> None:
     assert plan is not None and not plan.quiet and plan.tiers and not plan.recompute
 
 
-# -- the pages a trimmed step hands back (NOTE [ Plan ] rule 8) ------------------------------
+# -- the pages a step faults in (NOTE [ Plan ] rule 8) ---------------------------------------
 
 
-def test_plan_prices_the_pages_its_steps_hand_back_to_the_os() -> None:
+def test_plan_prices_the_pages_its_steps_fault_in() -> None:
     profile = two_blocks(cheap_s=0.002, dear_s=0.008)
-    rates = Rates(refault=8 * MiB / 0.01)  # 10 ms per 8 MiB faulted in again
-    # Before a step ran the plan's recompute, it hands back about a step's activation bytes.
+    rates = Rates(refault=8 * MiB / 0.01)  # 10 ms per 8 MiB faulted in
+    # Before a step ran the plan, the steps that hand memory back fault in at least a
+    # step's activation bytes; the measured step faulted in nothing.
     plan = make_plan(profile, 9 * MiB, rates=rates, trims=True)
     assert plan is not None and plan.recompute == ("a",)
-    assert plan.returned_bytes == 16 * MiB and plan.trim_s == pytest.approx(0.02)
+    assert plan.faulted_bytes == 16 * MiB and plan.faults_s == pytest.approx(0.02)
     assert plan.predicted_step_s == pytest.approx(plan.base_step_s + 0.002 + 0.02)
-    assert "hands 16.0 MiB back to the OS, 20.0 ms" in plan.table()
-    # Warm steps that recomputed "a" handed back 8 MiB (median) and each took 10 ms
-    # more for it: their time less those 10 ms, and the recompute, is the base.
-    for returned in (4 * MiB, 8 * MiB, 12 * MiB):
-        seconds = 1.0 + 0.002 + returned / rates.refault
+    assert "faults in 16.0 MiB, 20.0 ms" in plan.table()
+    # Warm steps that recomputed "a" faulted in 8 MiB (median), each 10 ms more for it:
+    # their time less those 10 ms, and the recompute, is the base.
+    for faulted in (4 * MiB, 8 * MiB, 12 * MiB):
+        seconds = 1.0 + 0.002 + faulted / rates.refault
         profile.quiet_history.append(
-            StepRecord(seconds / 3, 2 * seconds / 3, 0, None, ("a",), returned_bytes=returned)
+            StepRecord(seconds / 3, 2 * seconds / 3, 0, None, ("a",), faulted_bytes=faulted)
         )
     plan = make_plan(profile, 9 * MiB, rates=rates, trims=True)
     assert plan is not None and plan.quiet and plan.recompute == ("a",)
-    assert plan.returned_bytes == 8 * MiB and plan.trim_s == pytest.approx(0.01)
-    assert plan.predicted_step_s == pytest.approx(1.0 - plan.hooks_s + 0.002 + 0.01)
+    assert plan.faulted_bytes == 8 * MiB and plan.faults_s == pytest.approx(0.01)
     assert plan.hooks_s == pytest.approx(0.0, abs=1e-9)  # the quiet steps cost 1 s too
-    # Where nothing trims (CUDA, or trim_every=None), or nothing is saved, nothing is priced.
-    for made in (
-        make_plan(profile, 9 * MiB, rates=rates),
-        make_plan(profile, 64 * MiB, rates=rates, trims=True),
-    ):
-        assert made is not None and made.returned_bytes == 0 and made.trim_s == 0.0
+    assert plan.predicted_step_s == pytest.approx(1.0 + 0.002 + 0.01)
+    # A plan that keeps everything faults in what the steps that kept everything did.
+    kept = make_plan(profile, 64 * MiB, rates=rates, trims=True)
+    assert kept is not None and kept.faulted_bytes == 0 and kept.faults_s == 0.0
 
 
-def test_profile_records_what_each_step_handed_back() -> None:
+def test_plan_expects_fewer_faults_from_a_plan_that_holds_less() -> None:
+    # A step begun from a heap handed back to the OS faults in what it touches: the
+    # measured step held 16 MiB and faulted in 40; a plan holding 9 MiB less touches less.
+    profile = two_blocks(cheap_s=0.002, dear_s=0.008)
+    first = profile.history[0]
+    profile.history[0] = dataclasses.replace(first, faulted_bytes=40 * MiB)
+    plan = make_plan(profile, 9 * MiB, rates=Rates(refault=MiB / 0.001))
+    assert plan is not None and plan.recompute == ("a",)
+    assert plan.faulted_bytes == 40 * MiB - 16 * MiB + 9 * MiB
+    assert plan.faults_s == pytest.approx(0.033)
+    # The measured step's faults are taken off its time, and a plain step's put back.
+    assert plan.predicted_step_s == pytest.approx(1.0 - 0.040 - plan.hooks_s + 0.002 + 0.033)
+    assert plan.base_step_s == pytest.approx(1.0 - plan.hooks_s)
+
+
+def test_profile_records_what_each_step_handed_back_and_faulted_in() -> None:
     model = fresh()
     profile = ticking()
     for _ in range(2):  # hooked steps: the first measures
         with ts.stash("auto", profile=profile) as session:
             loss = model(data())
         session.stats.returned(3 * MiB)
+        pages = mmap.mmap(-1, 8 * MiB)  # 8 MiB of fresh pages, touched in the step
+        torch.frombuffer(pages, dtype=torch.uint8)[::4096].fill_(1)
         loss.backward()
         assert profile.history[-1].returned_bytes == 3 * MiB
+        assert profile.history[-1].faulted_bytes >= 8 * MiB
+        pages.close()
     profile.measure_steps = 0
     train(model, 2, "auto", profile)  # the sites of these inputs are recorded
     with ts.stash("auto", profile=profile) as session:  # a quiet step
@@ -732,10 +751,12 @@ def test_profile_records_what_each_step_handed_back() -> None:
     assert profile.quiet_history[-1].returned_bytes == 5 * MiB
     state = profile.state_dict()
     assert state["history"][-1]["returned_bytes"] == profile.history[-1].returned_bytes
-    del state["history"][-1]["returned_bytes"]  # a state saved before it was recorded
+    assert state["history"][-1]["faulted_bytes"] == profile.history[-1].faulted_bytes
+    for key in ("returned_bytes", "faulted_bytes"):
+        del state["history"][-1][key]  # a state saved before they were recorded
     restored = ts.Profile()
     restored.load_state_dict(state)
-    assert restored.history[-1].returned_bytes == 0
+    assert restored.history[-1].returned_bytes == restored.history[-1].faulted_bytes == 0
     assert restored.quiet_history[-1].returned_bytes == 5 * MiB
 
 

@@ -4,9 +4,16 @@
 Every variant (no stash, each policy, each peer) runs in one process on one
 model, and the numbers are only comparable if nothing but the variant differs:
 
-1. Variants are interleaved step by step (A B C, B C A, C A B, ...): a burst of
-   machine noise hits every variant of a round alike, and each round starts
-   one variant further along, so none always runs first or after the same one.
+1. Variants are interleaved step by step: a burst of machine noise hits every
+   variant of a round alike. Each round starts one variant further along, so
+   none always runs first, and the rest follow in an order shuffled anew each
+   round (seeded by the round), so none always runs after the same one: a step
+   inherits what the step before it left (the kernel's free pages, a file's
+   page cache being freed, a trim thread ending). With a plain rotation
+   (A B C, B C A, C A B) every variant followed the same one in every round,
+   and on ``medium`` (CPU) no stash, which always followed ``auto:75%``, took
+   1.12-1.15x the step of ``auto`` keeping everything with no hooks, which is
+   plain autograd; run alone, no stash was 0.97x of it.
 2. Every step starts from the same weights (a ``state_dict`` copy is
    restored), the same batch and the same RNG seed (dropout masks), so
    a lossless variant must produce gradients bitwise equal to plain autograd.
@@ -69,6 +76,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -133,10 +141,15 @@ def _groups(names: Sequence[str], *, twins: bool) -> list[list[str]]:
 
 
 def round_order(groups: list[list[str]], index: int) -> list[str]:
-    """The variants of round ``index``: rotated by one per round (rule 1), twins in turn first."""
-    shift = index % len(groups) if groups else 0
+    """The variants of round ``index`` (rule 1): the group ``index`` along first, the
+    others shuffled by a generator seeded with ``index``; twins in turn first."""
+    if not groups:
+        return []
+    first = groups[index % len(groups)]
+    others = [group for group in groups if group is not first]
+    random.Random(index).shuffle(others)
     order: list[str] = []
-    for group in groups[shift:] + groups[:shift]:
+    for group in [first, *others]:
         order.extend(reversed(group) if index % 2 else group)
     return order
 
