@@ -84,11 +84,11 @@ def _probe_lz4() -> float:
 def refault_rate() -> float:
     """Bytes per second of handing pages back to the OS and faulting them in again.
 
-    What a ``malloc_trim`` costs a step per byte it hands back (NOTE [ Plan ]
-    rule 8): a fresh mapping is written once (its pages faulted in), written
-    again (resident), then handed back with ``MADV_DONTNEED`` and written
-    again; the rate is the bytes over the third write's and the hand-back's
-    time less the second write's. Zero where there is no ``madvise``.
+    What a page a step faults in costs it (NOTE [ Plan ] rule 8): a fresh
+    mapping is written once (its pages faulted in), written again (resident),
+    then handed back with ``MADV_DONTNEED`` and written again; the rate is the
+    bytes over the third write's and the hand-back's time less the second
+    write's. Zero where there is no ``madvise``.
     """
     return _reused("refault", _probe_refault)
 

@@ -494,11 +494,11 @@ class _Solver:
         reachable = largest if held <= self.budget else self._reachable()
         base = self.base_s - self.hooks_s  # a plain step (rule 7), without its faults (rule 8)
         quiet = not tiers and held <= self.budget and reachable <= self.budget  # Plan.quiet
-        faulted = self._faulted(recompute, bool(tiers), held)
+        faulted = self._faulted(recompute, bool(tiers), held, step)
         faults_s = self._faults_s(faulted)
         predicted = base + (0.0 if quiet else self.hooks_s) + sum(c.cost_s for c in choices)
         predicted += faults_s
-        base += self._faults_s(self._faulted((), False, self.activation))  # as a plain step runs
+        base += self._faults_s(self._faulted((), False, self.activation, step))  # a plain step's
         peak = None
         measured = self.profile.peak  # the last step that took the real peak
         if measured is not None and measured.peak_bytes is not None:
@@ -522,10 +522,10 @@ class _Solver:
             faults_s=faults_s,
         )
 
-    def _faulted(self, recompute: tuple[str, ...], moves: bool, held: int) -> int:
+    def _faulted(self, recompute: tuple[str, ...], moves: bool, held: int, step: StepRecord) -> int:
         """Rule 8: the pages a step of this plan faults in: as the steps that ran it did
-        (this recompute, and moving or not), or as the measured step did, less the bytes
-        it held and plus the plan's."""
+        (this recompute, and moving or not), or as ``step`` (the measured medians) did,
+        less the bytes it held and plus the plan's."""
         profile = self.profile
         steps = [
             s
@@ -535,9 +535,6 @@ class _Solver:
         steps = [s for s in steps if not s.cold] or steps
         if steps:
             return int(statistics.median(s.faulted_bytes for s in steps))
-        step = profile.measured()
-        if step is None:
-            return 0
         estimate = step.faulted_bytes + self._effective_held(recompute, held)
         estimate -= self._effective_held(step.recomputed, step.held_bytes)
         if self.trims and (recompute or moves):

@@ -149,12 +149,10 @@ class StepRecord:
             peak; its times are not those of training (rule 6).
         recompute_s: seconds backward spent recomputing the plan's modules,
             or None where they were not timed (NOTE [ Recompute ] rule 7).
-        returned_bytes: memory the session handed back to the OS in the step
-            (``StashStats.returned_bytes``: Auto's ``Watch``, a disk spill's
-            trimmer), which the process faults in again (NOTE [ Plan ] rule 8).
         faulted_bytes: the pages the process faulted in over the step (minor
             faults times the page size; 0 where there is no ``getrusage``):
-            fresh memory the step touched (NOTE [ Plan ] rule 8).
+            fresh memory the step touched, memory a trim handed back to the OS
+            included (NOTE [ Plan ] rule 8).
     """
 
     forward_s: float
@@ -166,7 +164,6 @@ class StepRecord:
     moved: dict[str, int] = field(default_factory=dict)
     cold: bool = False
     recompute_s: float | None = None
-    returned_bytes: int = 0
     faulted_bytes: int = 0
 
     @property
@@ -399,7 +396,7 @@ class Profile:
             return None
         step.cancel()
         self.steps += 1
-        quiet = _QuietStep(self, root, step.device, recomputed, step.ctx.stats)
+        quiet = _QuietStep(self, root, step.device, recomputed)
         self._quiet.append(quiet)
         return quiet
 
@@ -587,7 +584,6 @@ class Profile:
             recomputed=recomputed,
             policy_s=statistics.median(rec.policy_s for rec in same),
             moved=same[-1].moved,
-            returned_bytes=int(statistics.median(rec.returned_bytes for rec in same)),
             faulted_bytes=int(statistics.median(rec.faulted_bytes for rec in same)),
         )
 
@@ -657,7 +653,6 @@ def _step_row(record: StepRecord) -> dict[str, Any]:
         "moved": dict(record.moved),
         "cold": record.cold,
         "recompute_s": record.recompute_s,
-        "returned_bytes": record.returned_bytes,
         "faulted_bytes": record.faulted_bytes,
     }
 
@@ -673,8 +668,7 @@ def _step_record(row: dict[str, Any]) -> StepRecord:
         {str(tier): int(n) for tier, n in row["moved"].items()},
         bool(row["cold"]),
         None if row["recompute_s"] is None else float(row["recompute_s"]),
-        int(row.get("returned_bytes", 0)),  # absent in older states
-        int(row.get("faulted_bytes", 0)),
+        faulted_bytes=int(row.get("faulted_bytes", 0)),  # absent in older states
     )
 
 
@@ -862,7 +856,6 @@ class _Step:
             moved={tier: nbytes for tier, nbytes in moved.items() if nbytes},
             cold=self.cold,
             recompute_s=recompute_s,
-            returned_bytes=stats.returned_bytes,
             faulted_bytes=_faulted_since(self._faults),
         )
         self.profile._finished(self, record)
@@ -883,11 +876,9 @@ class _QuietStep:
         root: nn.Module,
         device: torch.device,
         recomputed: tuple[str, ...],
-        stats: Any,
     ) -> None:
         self.profile = weakref.ref(profile)
         self.recomputed = recomputed
-        self.stats = stats  # the session's: what its Watch handed back to the OS
         self.timer: _CpuTimer | _CudaTimer = (
             _CudaTimer(device) if device.type == "cuda" else _CpuTimer(profile.clock)
         )
@@ -957,7 +948,6 @@ class _QuietStep:
             peak_bytes=None,
             recomputed=self.recomputed,
             recompute_s=recompute_s,
-            returned_bytes=self.stats.returned_bytes,
             faulted_bytes=self.faulted,
         )
 
