@@ -95,6 +95,13 @@ def minor_faults() -> int | None:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
 
+def faulted_since(faults: int | None) -> int | None:
+    """Bytes the process faulted in since :func:`minor_faults` read ``faults``, or None
+    where faults are not counted."""
+    now = minor_faults()
+    return None if faults is None or now is None else (now - faults) * PAGE_SIZE
+
+
 class PeakRss:
     """How far the resident set grows over a region (rules 1 and 2 of NOTE [ Real memory ]).
 
@@ -155,9 +162,7 @@ class PeakRss:
             self._thread.join()
             peak = max(self._most, current_rss())
         self.delta_bytes = max(0, peak - self._start)
-        faults = minor_faults()
-        if faults is not None and self._faults is not None:
-            self.faulted_bytes = (faults - self._faults) * PAGE_SIZE
+        self.faulted_bytes = faulted_since(self._faults)
 
     def _sample(self) -> None:
         while not self._stop.wait(self._interval_s):

@@ -548,11 +548,11 @@ class _Solver:
         """Rule 6: the step time with nothing moved, and what moving a byte cost, from the steps.
 
         The base is the median over the measured steps that moved nothing
-        (warm ones, once there are) of their time less the forward time of
-        what they recomputed (or, before
-        such a step, of the last steps less the time spent in policies). A step
-        that moved bytes to one tier gives that tier's cost per byte: its time
-        over the base, less its recompute, per byte moved (on the CPU, the host
+        (warm ones, once there are) of their time less what they recomputed
+        and the pages they faulted in (rule 8) (or, before such a step, of the
+        last steps less the time spent in policies as well). A step that moved
+        bytes to one tier gives that tier's cost per byte: its time over the
+        base, less its recompute and faults, per byte moved (on the CPU, the host
         tier is lz4's; copies to a CUDA device's host keep the link's speed).
         Steps whose backward timed its recompute give what a second of forward
         costs when recomputed (``recompute_factor``).
@@ -569,7 +569,7 @@ class _Solver:
             self.recompute_factor = min(max(factor, 1 / CALIBRATION_SPREAD), CALIBRATION_SPREAD)
         clean = [s.seconds - self._cost_of(s) for s in steps if not s.moved] or [
             s.seconds - self._cost_of(s) for s in history if not s.moved
-        ]  # _cost_of: the recompute and the pages faulted in (rule 8)
+        ]
         if clean:
             self.base_s = statistics.median(clean)
         else:

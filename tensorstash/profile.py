@@ -74,8 +74,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from tensorstash import _modules
-from tensorstash._memory import CudaPeak, PeakRss, meter, minor_faults
-from tensorstash._trim import PAGE_SIZE, release_free_heap
+from tensorstash._memory import CudaPeak, PeakRss, faulted_since, meter, minor_faults
+from tensorstash._trim import release_free_heap
 from tensorstash.recompute import in_plan_region, is_checkpointed, take_recompute_seconds
 
 STATE_VERSION = 3
@@ -426,6 +426,11 @@ class Profile:
 
     # -- modules -------------------------------------------------------------------------
 
+    def take_recompute_seconds(self, paths: tuple[str, ...]) -> float | None:
+        """What backward spent recomputing the modules at ``paths`` since last asked
+        (NOTE [ Recompute ] rule 7), or None where none was timed."""
+        return take_recompute_seconds(m for m in map(self.module, paths) if m is not None)
+
     def module(self, path: str) -> nn.Module | None:
         """The module object at ``path``, as last seen, or found in the root by its path."""
         ref = self._objects.get(path)
@@ -556,7 +561,7 @@ class Profile:
         if self._step is not None:
             self._step.recomputed = paths
             # Seconds left from a step whose backward never ended are not this step's.
-            take_recompute_seconds(m for m in map(self.module, paths) if m is not None)
+            self.take_recompute_seconds(paths)
 
     def warn_unreachable(self, budget: int) -> bool:
         """True the first time a budget turns out unreachable (one warning per budget)."""
@@ -844,8 +849,7 @@ class _Step:
         timer = self._timer
         for path, start, stop in self._timings:
             self.modules[path].forward_s += timer.seconds(start, stop)
-        recomputed = [self.profile.module(path) for path in self.recomputed]
-        recompute_s = take_recompute_seconds(m for m in recomputed if m is not None)
+        recompute_s = self.profile.take_recompute_seconds(self.recomputed)
         record = StepRecord(
             forward_s=timer.seconds(self._begun, self._forward_end),
             backward_s=timer.seconds(self._forward_end, end),
@@ -856,7 +860,7 @@ class _Step:
             moved={tier: nbytes for tier, nbytes in moved.items() if nbytes},
             cold=self.cold,
             recompute_s=recompute_s,
-            faulted_bytes=_faulted_since(self._faults),
+            faulted_bytes=faulted_since(self._faults) or 0,
         )
         self.profile._finished(self, record)
 
@@ -911,7 +915,7 @@ class _QuietStep:
 
     def _backward_ended(self) -> None:
         self.end = self.timer.mark()
-        self.faulted = _faulted_since(self.faults)
+        self.faulted = faulted_since(self.faults) or 0
         self.ended = True
 
     def _freed(self) -> None:
@@ -935,10 +939,7 @@ class _QuietStep:
         if not final and not self.timer.done(self.end):
             return None
         profile = self.profile()
-        recompute_s = None
-        if profile is not None:
-            modules = [profile.module(path) for path in self.recomputed]
-            recompute_s = take_recompute_seconds(m for m in modules if m is not None)
+        recompute_s = None if profile is None else profile.take_recompute_seconds(self.recomputed)
         timer = self.timer
         self.end, end = None, self.end
         return StepRecord(
@@ -950,12 +951,6 @@ class _QuietStep:
             recompute_s=recompute_s,
             faulted_bytes=self.faulted,
         )
-
-
-def _faulted_since(faults: int | None) -> int:
-    """Bytes the process faulted in since ``faults`` minor faults (0 where none are counted)."""
-    now = minor_faults()
-    return 0 if faults is None or now is None else (now - faults) * PAGE_SIZE
 
 
 def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
