@@ -418,6 +418,7 @@ class _AutoState:
         self.watch: Watch | None = None  # returns freed memory in a planned CPU step
         self.session = ctx.session  # a weak reference (rule 10 of NOTE [ Session ])
         self.root_hook: Any = None  # the model's pre-hook that may make the step quiet
+        self.unobserve: Callable[[], None] = _nothing  # stops observing modules (begin)
 
     # The tiers, made when first chosen: a step that keeps everything makes none
     # (a DiskSpill checks its directory when made).
@@ -448,7 +449,7 @@ class _AutoState:
         if profile is not None and torch.is_grad_enabled():
             if self.auto.recompute and profile.steps:
                 warm_up()
-            _modules.observe(self)
+            self.unobserve = _modules.observe(self)
             root = profile.root
             if root is not None:  # NOTE [ Quiet steps ] rule 2
                 self.root_hook = root.register_forward_pre_hook(
@@ -457,7 +458,7 @@ class _AutoState:
 
     def entered(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """The first module called: plan for this step and recompute what the plan says."""
-        _modules.unobserve(self)
+        self.unobserve()
         if self.planned_for or not module.training:
             return
         self.planned_for = True
@@ -507,7 +508,7 @@ class _AutoState:
     def end(self) -> None:
         """The session exits: give every module back."""
         self._drop_root_hook()
-        _modules.unobserve(self)
+        self.unobserve()
         if self.watch is not None:
             self.watch.exited()  # it stops when the step's saved tensors are freed
             self.watch = None
@@ -802,3 +803,7 @@ def _holding(stats: StashStats) -> bool:
 
 def _unused_rule(tensor: Tensor, memory: Memory) -> Policy:
     raise AssertionError("tensorstash: Auto decides itself; this is a bug in tensorstash")
+
+
+def _nothing() -> None:
+    return None

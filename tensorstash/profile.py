@@ -733,7 +733,7 @@ class _Step:
             self._meter = PeakRss()
             self._meter.start()
         self._imported = len(sys.modules)  # a step that imports takes no peak (rule 6)
-        _modules.observe(self)
+        self._unobserve = _modules.observe(self)
 
     def use_device(self, device: torch.device) -> None:
         """The step runs on ``device`` (known at the first module call)."""
@@ -799,7 +799,7 @@ class _Step:
 
     def cancel(self) -> None:
         """The step runs quiet (rule 8): stop observing it; it records nothing."""
-        _modules.unobserve(self)
+        self._unobserve()
         if self._meter is not None:
             self._meter.stop()
             self._meter = None
@@ -816,7 +816,7 @@ class _Step:
         """
         if self._forward_end is not None:
             return
-        _modules.unobserve(self)
+        self._unobserve()
         self._forward_end = self._timer.mark()
         tiers = self.ctx.stats.tiers
         self._held = tiers["kept"].live_bytes + tiers["host"].live_bytes + self.ctx.stats.hot.live

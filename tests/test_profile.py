@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import threading
 from typing import Any
 
 import pytest
@@ -64,6 +65,25 @@ def test_profile_counts_a_step_whose_backward_runs_inside_the_session() -> None:
     record = profile.history[-1]
     held = record.held_bytes  # what forward left held when backward began, not after it
     assert held > 0 and session.stats.to_dict()["tiers"]["kept"]["peak_bytes"] >= held
+
+
+@pytest.mark.parametrize("policy", ["keep", "auto"])
+def test_profile_step_whose_backward_runs_on_another_thread_stops_observing_modules(
+    policy: str,
+) -> None:
+    """On CUDA the first unpack, where a step stops observing modules, runs on the
+    autograd engine's device thread: the step must leave the training thread's observers."""
+    from tensorstash import _modules
+
+    model, profile = net(), ts.Profile()
+    for _ in range(3):
+        with ts.stash(ts.Auto() if policy == "auto" else policy, profile=profile):
+            loss = model(batch())
+            worker = threading.Thread(target=loss.backward)
+            worker.start()
+            worker.join()
+            assert _modules._thread().observers == []
+    assert profile.steps == 3
 
 
 def test_profile_sites_are_module_op_and_occurrence() -> None:
