@@ -67,6 +67,24 @@
    less what its held bytes touched, plus what the plan's do; where the plan's
    steps hand memory back and none ran yet, at least the step's activation
    bytes. ``Rates.refault`` is probed as pages handed back and written again.
+9. What a move costs is measured against a step that moved nothing. On CUDA
+   a profile's first step moves what does not fit (its CPU tensors stay:
+   ``Auto`` rule 3), so until a step moved nothing the base is that step's
+   time less its policies' seconds, and on a GPU that misses what the copies
+   cost the host: launching them, pinning, the hooks' Python. On the bench's
+   ``medium`` (H200, a 21 ms step bound by launching kernels) a step that
+   copied 490 MiB the link could hide took 80 ms, of which its policies
+   counted 21: the planner saw a 59 ms base and copies for free, and never
+   chose the recompute-only plan (1.7x). So where no step has moved nothing
+   yet and the plan that only recomputes fits, that plan runs first: its
+   steps measure the base. Then a step that copied gives what a copied byte
+   cost (``copy_s_per_byte``: its time over the base, less its recompute, per
+   byte), and copies are priced at it, plus the link's time for what the link
+   cannot move while forward runs; on a large model, whose copies hide behind
+   its kernels, that is next to nothing, and copies stay cheaper than
+   recomputing. Steps that leave the history are kept aside by kind
+   (``Profile.calibration_steps``), so what was measured stays known while
+   the other plan runs, and the plan does not flip back to try it again.
 """
 
 from __future__ import annotations
@@ -244,7 +262,9 @@ def make_plan(
     plan = solve(always, moves=True, trims=trims)
     if plan.tiers and recompute:  # rule 7: without the hooks, recomputing may cost less
         alone = solve(always, moves=False, trims=trims)
-        if alone.fits and alone.predicted_step_s <= plan.predicted_step_s:
+        steps = profile.calibration_steps()
+        unknown = not profile.quiet_history and all(s.moved for s in steps)  # rule 9
+        if alone.fits and (unknown or alone.predicted_step_s <= plan.predicted_step_s):
             return alone
     return plan
 
@@ -265,11 +285,12 @@ def _solve(
     """One greedy plan (rule 3) from the medians ``step``; ``moves``: may sites leave the device."""
     solver = _Solver(profile, budget, device, rates, trims)
     solver.calibrate()
+    solver.capacity = rates.link * min(step.forward_s, step.backward_s)
     for path in always:
         solver.take_recompute(path)
     if solver.held > budget:
-        if device == "cuda" and moves:
-            solver.take_hidden_copies(step)
+        if device == "cuda" and moves and solver.copy_s_per_byte is None:
+            solver.take_hidden_copies()
         solver.take_cheapest(recompute, never, moves=moves)
     return solver.plan(step)
 
@@ -297,6 +318,9 @@ class _Solver:
         self.base_s = 0.0
         self.hooks_s = 0.0
         self.recompute_factor = 1.0
+        self.capacity = 0.0  # bytes the link moves while forward runs (rule 3, CUDA)
+        self.copied = 0  # bytes copied to host so far, against that capacity
+        self.copy_s_per_byte: float | None = None  # what a copy cost the steps (rule 9)
 
     # What a module holds --------------------------------------------------------------
 
@@ -347,14 +371,15 @@ class _Solver:
         saved = nbytes - int(nbytes / self.rates.ratio) if kind == "compressed" else nbytes
         self.moved[site] = Choice(kind, _site_name(site), saved, cost)
         self.held -= saved
+        if kind == "host" and self.device == "cuda":
+            self.copied += nbytes
 
-    def take_hidden_copies(self, step: StepRecord) -> None:
-        """Rule 3, CUDA: copies to host RAM that the link hides, earliest sites first."""
-        capacity = self.rates.link * min(step.forward_s, step.backward_s)
+    def take_hidden_copies(self) -> None:
+        """Rule 3, CUDA: copies to host RAM that the link hides, earliest sites first
+        (until a step measured what copies cost: rule 9)."""
         for site, record in sorted(self.sites.items(), key=lambda item: item[1].order):
-            if self.held <= self.budget or record.nbytes > capacity:
+            if self.held <= self.budget or self.copied + record.nbytes > self.capacity:
                 return
-            capacity -= record.nbytes
             self.take_move(site, "host", 0.0)
 
     def move_option(self, site: Site) -> tuple[Literal["host", "compressed", "disk"], int, float]:
@@ -362,7 +387,10 @@ class _Solver:
         nbytes = self.sites[site].nbytes
         rates = self.rates
         if self.device == "cuda":
-            return "host", nbytes, nbytes / rates.link
+            stall = nbytes / rates.link if self.copied + nbytes > self.capacity else 0.0
+            if self.copy_s_per_byte is None:
+                return "host", nbytes, nbytes / rates.link
+            return "host", nbytes, nbytes * self.copy_s_per_byte + stall
         compressed = nbytes - int(nbytes / rates.ratio)
         disk_cost, lz4_cost = nbytes / rates.disk, nbytes / rates.compress
         if compressed > 0 and lz4_cost / compressed < disk_cost / nbytes:
@@ -555,9 +583,12 @@ class _Solver:
         base, less its recompute and faults, per byte moved (on the CPU, the host
         tier is lz4's; copies to a CUDA device's host keep the link's speed).
         Steps whose backward timed its recompute give what a second of forward
-        costs when recomputed (``recompute_factor``).
+        costs when recomputed (``recompute_factor``). On CUDA, once a step moved
+        nothing (or was quiet), the steps that copied give what a copy cost
+        (``copy_s_per_byte``, rule 9). The steps are the history and, of those
+        that left it, the last of each kind of move it lacks (rule 9).
         """
-        history = list(self.profile.history)
+        history = self.profile.calibration_steps()  # rule 9
         steps = [s for s in history if not s.cold] or history  # warm ones: NOTE [ Profile ] 6
         timed = [
             (s.recompute_s, self._forward_of(s.recomputed))
@@ -570,23 +601,30 @@ class _Solver:
         clean = [s.seconds - self._cost_of(s) for s in steps if not s.moved] or [
             s.seconds - self._cost_of(s) for s in history if not s.moved
         ]
+        quiet = [s.seconds - self._cost_of(s) for s in self.profile.quiet_history]
         if clean:
             self.base_s = statistics.median(clean)
+        elif quiet:  # no hooked step moved nothing: the quiet steps' base and the hooks
+            self.base_s = statistics.median(quiet)
+            self.base_s += min(HOOK_S * len(self.sites), self.base_s / 2)
         else:
             self.base_s = statistics.median(
                 s.seconds - s.policy_s - self._cost_of(s) for s in steps[-3:]
             )
-        quiet = [s.seconds - self._cost_of(s) for s in self.profile.quiet_history]
         if quiet and clean:
             self.hooks_s = max(self.base_s - statistics.median(quiet), 0.0)
         else:
             self.hooks_s = min(HOOK_S * len(self.sites), self.base_s / 2)
         per_byte: dict[str, list[float]] = {}
-        for s in steps:
-            if len(s.moved) == 1:
-                ((tier, nbytes),) = s.moved.items()
-                extra = s.seconds - self.base_s - self._cost_of(s)
-                per_byte.setdefault(tier, []).append(max(extra, 0.0) / nbytes)
+        moving = [s for s in steps if len(s.moved) == 1]
+        if not moving and self.device == "cuda":
+            # On CUDA the first step moves (rule 9), and a cold step's time is a
+            # warm one's: what it faults in again is host memory.
+            moving = [s for s in history if len(s.moved) == 1]
+        for s in moving:
+            ((tier, nbytes),) = s.moved.items()
+            extra = s.seconds - self.base_s - self._cost_of(s)
+            per_byte.setdefault(tier, []).append(max(extra, 0.0) / nbytes)
         changes: dict[str, float] = {}
         # A step's time cannot show a byte moved for much less than a probe took:
         # below that, what it shows is noise (rule 6).
@@ -596,6 +634,9 @@ class _Solver:
         if "host" in per_byte and self.device != "cuda":
             floor = 1 / (CALIBRATION_SPREAD * self.rates.compress)
             changes["compress"] = 1 / max(statistics.median(per_byte["host"]), floor)
+        if "host" in per_byte and self.device == "cuda" and (clean or quiet):
+            # What copies cost the steps, hidden or not; no floor: the link may hide them.
+            self.copy_s_per_byte = statistics.median(per_byte["host"])
         if changes:
             self.rates = dataclasses.replace(self.rates, **changes)
 

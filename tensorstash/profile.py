@@ -21,7 +21,11 @@
    steps (its region's own hooks keep them): they keep what an earlier step
    measured.
 5. A plan is made from the medians of the last few steps (``history``), so it
-   changes only when a cost moves beyond its noise (see NOTE [ Plan ]).
+   changes only when a cost moves beyond its noise (see NOTE [ Plan ]). Steps
+   that leave ``history`` are kept aside, the last few of each kind of move
+   (the tiers a step moved bytes to, or none): what a plan that moves costs
+   is known only against steps that move nothing, and stays known while
+   another plan runs (``calibration_steps``).
 6. Module timings cost a few microseconds per module call: they are taken in
    the first ``measure_steps`` steps, again in two steps every
    ``remeasure_every`` steps, and in the two steps after a site's bytes change
@@ -245,6 +249,7 @@ class Profile:
     modules: dict[str, ModuleRecord] = field(default_factory=dict)
     history: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=HISTORY))
     quiet_history: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    aside: dict[frozenset[str], deque[StepRecord]] = field(default_factory=dict)
     inputs: tuple[Any, ...] | None = None
     module_history: deque[tuple[bool, dict[str, ModuleRecord]]] = field(
         default_factory=lambda: deque(maxlen=HISTORY)
@@ -337,6 +342,10 @@ class Profile:
                 self.stalls.add(site)
             elif rec.offloaded:
                 self.stalls.discard(site)
+        if len(self.history) == self.history.maxlen:  # rule 5: kept by what it moved
+            left = self.history[0]
+            kind = frozenset(left.moved)
+            self.aside.setdefault(kind, deque(maxlen=HISTORY)).append(left)
         self.history.append(record)
         if record.peak_bytes is not None:
             self.peak = record
@@ -494,6 +503,7 @@ class Profile:
             "modules": [{"path": path, **_module_row(rec)} for path, rec in self.modules.items()],
             "history": [_step_row(rec) for rec in self.history],
             "quiet_history": [_step_row(rec) for rec in self.quiet_history],
+            "aside": [_step_row(rec) for kept in self.aside.values() for rec in kept],
             "inputs": None if self.inputs is None else _inputs_row(self.inputs),
             "peak": None if self.peak is None else _step_row(self.peak),
             "codec_methods": methods,
@@ -528,6 +538,10 @@ class Profile:
         self.quiet_history = deque(
             (_step_record(row) for row in state.get("quiet_history", ())), maxlen=HISTORY
         )
+        self.aside = {}
+        for row in state.get("aside", ()):  # absent in older states
+            record = _step_record(row)
+            self.aside.setdefault(frozenset(record.moved), deque(maxlen=HISTORY)).append(record)
         inputs = state.get("inputs")
         self.inputs = None if inputs is None else _inputs_record(inputs)
         self.peak = None if state["peak"] is None else _step_record(state["peak"])
@@ -591,6 +605,21 @@ class Profile:
             moved=same[-1].moved,
             faulted_bytes=int(statistics.median(rec.faulted_bytes for rec in same)),
         )
+
+    def calibration_steps(self) -> list[StepRecord]:
+        """The last steps (``history``), and of the steps that left it, the last few
+        of each kind of move (the tiers moved to, or none) that ``history`` lacks.
+
+        A plan learns what moving a byte costs from steps that moved bytes,
+        against a base from steps that moved none (NOTE [ Plan ] rule 6).
+        Once a plan that never moves (or always moves) has run a few steps,
+        the last few steps of the other kind are all that says what that kind cost: without
+        them the next plan would be made as if it had never been measured, and
+        would try again what was measured to cost more.
+        """
+        kinds = {frozenset(record.moved) for record in self.history}
+        earlier = [rec for kind, kept in self.aside.items() if kind not in kinds for rec in kept]
+        return [*earlier, *self.history]
 
 
 def _inside(path: str, modules: tuple[str, ...]) -> bool:

@@ -9,6 +9,7 @@ import mmap
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -679,6 +680,75 @@ def test_plan_recomputes_instead_of_copying_where_the_hooks_cost_more() -> None:
     profile.quiet_history.append(StepRecord(1 / 3, 2 / 3 - 1e-6, 0, None))
     plan = make_plan(profile, 9 * MiB, device="cuda", rates=Rates(link=1e12))
     assert plan is not None and not plan.quiet and plan.tiers and not plan.recompute
+
+
+def copied_only(seconds: float = 1.0) -> ts.Profile:
+    """Two blocks on CUDA whose every measured step copied 8 MiB to host (the first step
+    moves what does not fit): no step says what a step that moves nothing takes."""
+    profile = two_blocks(cheap_s=0.002, dear_s=0.008)
+    profile.history.clear()
+    for _ in range(2):
+        moved = StepRecord(seconds / 3, 2 * seconds / 3, 8 * MiB, None, (), 0.05, {"host": 8 * MiB})
+        profile.history.append(moved)
+    return profile
+
+
+def test_plan_on_cuda_runs_the_recompute_only_plan_before_it_trusts_copies() -> None:
+    # Rule 9: the base would be 1 s less 0.05 s of policies, and copies the link
+    # hides would look free; the plan that only recomputes fits, and measures the base.
+    link = Rates(link=1e12)
+    plan = make_plan(copied_only(), 9 * MiB, device="cuda", rates=link)
+    assert plan is not None and plan.quiet and plan.recompute == ("a",)
+
+
+def test_plan_on_cuda_prices_copies_at_what_they_cost_the_steps() -> None:
+    link = Rates(link=1e12)
+    # A step that recomputed "a" took 0.302 s: the base is 0.3 s, and copying
+    # 8 MiB cost 0.7 s. Recomputing (2 ms) is cheaper.
+    dear = copied_only(1.0)
+    dear.history.append(StepRecord(0.1, 0.202, 9 * MiB, None, ("a",), recompute_s=0.002))
+    plan = make_plan(dear, 9 * MiB, device="cuda", rates=link)
+    assert plan is not None and plan.recompute == ("a",) and not plan.tiers
+    # Copies that took nothing over the base (their kernels hid them): copies win.
+    cheap = copied_only(0.3)
+    cheap.history.append(StepRecord(0.1, 0.202, 9 * MiB, None, ("a",), recompute_s=0.002))
+    cheap.quiet_history.append(StepRecord(0.1, 0.2, 0, None))  # hooks: next to nothing
+    plan = make_plan(cheap, 9 * MiB, device="cuda", rates=link)
+    assert plan is not None and plan.tiers and not plan.recompute
+    assert all(c.cost_s == pytest.approx(0.0, abs=1e-9) for c in plan.choices)
+
+
+def test_plan_remembers_what_copies_cost_once_they_left_the_history() -> None:
+    link = Rates(link=1e12)
+    profile = copied_only(1.0)
+    # Five steps of the recompute-only plan push the copying steps out of the history.
+    for _ in range(5):
+        record = StepRecord(0.1, 0.202, 9 * MiB, None, ("a",), recompute_s=0.002)
+        profile.history.append(record)
+    assert all(not s.moved for s in profile.history)
+    profile.aside[frozenset({"host"})] = deque(copied_only(1.0).history)
+    plan = make_plan(profile, 9 * MiB, device="cuda", rates=link)
+    assert plan is not None and plan.recompute == ("a",) and not plan.tiers
+    # Without them the copies would look free again, and the plan would flip back.
+    profile.aside.clear()
+    plan = make_plan(profile, 9 * MiB, device="cuda", rates=link)
+    assert plan is not None and plan.tiers
+
+
+def test_profile_keeps_the_steps_that_leave_its_history_by_what_they_moved() -> None:
+    model, profile = Net(), ts.Profile()
+    x = torch.randn(1024, 256)
+    for policy in ["lz4"] * 4 + ["keep"] * 6:
+        with ts.stash(policy, profile=profile):
+            loss = model(x)
+        loss.backward()
+    assert all(not s.moved for s in profile.history)
+    moved = profile.aside[frozenset({"host"})]
+    assert len(moved) == 4 and all(s.moved for s in moved)
+    assert profile.calibration_steps() == [*moved, *profile.history]
+    restored = ts.Profile()
+    restored.load_state_dict(profile.state_dict())
+    assert restored.calibration_steps() == profile.calibration_steps()
 
 
 # -- the pages a step faults in (NOTE [ Plan ] rule 8) ---------------------------------------
