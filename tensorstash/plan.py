@@ -67,22 +67,29 @@
    less what its held bytes touched, plus what the plan's do; where the plan's
    steps hand memory back and none ran yet, at least the step's activation
    bytes. ``Rates.refault`` is probed as pages handed back and written again.
+   On CUDA the pages are host memory, faulted in while the kernels run, and
+   are not priced: a profile's first step on an H200 faulted in 4.6 GiB of
+   new pinned buffers, and priced as on the CPU they made a plain step's
+   predicted time 3x what it was.
 9. What a move costs is measured against a step that moved nothing. On CUDA
-   a profile's first step moves what does not fit (its CPU tensors stay:
-   ``Auto`` rule 3), so until a step moved nothing the base is that step's
-   time less its policies' seconds, and on a GPU that misses what the copies
-   cost the host: launching them, pinning, the hooks' Python. On the bench's
+   a profile's first step moves what does not fit, and the policies' seconds
+   a step counts miss most of what copies cost the host (launching them,
+   pinning, the hooks' Python) or overlap the kernels. On the bench's
    ``medium`` (H200, a 21 ms step bound by launching kernels) a step that
    copied 490 MiB the link could hide took 80 ms, of which its policies
-   counted 21: the planner saw a 59 ms base and copies for free, and never
-   chose the recompute-only plan (1.7x). So where no step has moved nothing
-   yet and the plan that only recomputes fits, that plan runs first: its
-   steps measure the base. Then a step that copied gives what a copied byte
-   cost (``copy_s_per_byte``: its time over the base, less its recompute, per
-   byte), and copies are priced at it, plus the link's time for what the link
-   cannot move while forward runs; on a large model, whose copies hide behind
-   its kernels, that is next to nothing, and copies stay cheaper than
-   recomputing. Steps that leave the history are kept aside by kind
+   counted 21: the planner took a 59 ms base, saw the copies as free, and
+   never chose the recompute-only plan (1.9x against 4.3x). So on CUDA:
+   - until a step moved nothing, the base is the steps' time (copies hidden);
+   - where no step has moved nothing yet and the plan that only recomputes
+     fits, that plan runs first: its steps measure the base;
+   - then a warm step that copied (not the first, which allocates the pinned
+     buffers: 1.8 s of a 2.1 s step on the bench's ``large``) gives what a
+     copied byte cost (``copy_s_per_byte``: its time over the base, less its
+     recompute, per byte), and copies are priced at it, plus the link's time
+     for the bytes the link cannot move while forward runs. On ``large``,
+     whose kernels hide its copies, that is next to nothing, and copies stay
+     cheaper than recomputing.
+   Steps that leave the history are kept aside by kind
    (``Profile.calibration_steps``), so what was measured stays known while
    the other plan runs, and the plan does not flip back to try it again.
 """
@@ -522,7 +529,7 @@ class _Solver:
         reachable = largest if held <= self.budget else self._reachable()
         base = self.base_s - self.hooks_s  # a plain step (rule 7), without its faults (rule 8)
         quiet = not tiers and held <= self.budget and reachable <= self.budget  # Plan.quiet
-        faulted = self._faulted(recompute, bool(tiers), held, step)
+        faulted = 0 if self.device == "cuda" else self._faulted(recompute, bool(tiers), held, step)
         faults_s = self._faults_s(faulted)
         predicted = base + (0.0 if quiet else self.hooks_s) + sum(c.cost_s for c in choices)
         predicted += faults_s
@@ -570,7 +577,9 @@ class _Solver:
         return max(estimate, 0)
 
     def _faults_s(self, faulted: int) -> float:
-        return faulted / self.rates.refault if self.rates.refault > 0 else 0.0
+        if self.device == "cuda" or self.rates.refault <= 0:
+            return 0.0  # rule 8: host pages; a CUDA step's kernels run while they fault
+        return faulted / self.rates.refault
 
     def calibrate(self) -> None:
         """Rule 6: the step time with nothing moved, and what moving a byte cost, from the steps.
@@ -607,21 +616,19 @@ class _Solver:
         elif quiet:  # no hooked step moved nothing: the quiet steps' base and the hooks
             self.base_s = statistics.median(quiet)
             self.base_s += min(HOOK_S * len(self.sites), self.base_s / 2)
-        else:
+        else:  # on CUDA the policies' seconds overlap the kernels (rule 9)
+            hidden = self.device == "cuda"
             self.base_s = statistics.median(
-                s.seconds - s.policy_s - self._cost_of(s) for s in steps[-3:]
+                s.seconds - (0.0 if hidden else s.policy_s) - self._cost_of(s) for s in steps[-3:]
             )
         if quiet and clean:
             self.hooks_s = max(self.base_s - statistics.median(quiet), 0.0)
         else:
             self.hooks_s = min(HOOK_S * len(self.sites), self.base_s / 2)
         per_byte: dict[str, list[float]] = {}
-        moving = [s for s in steps if len(s.moved) == 1]
-        if not moving and self.device == "cuda":
-            # On CUDA the first step moves (rule 9), and a cold step's time is a
-            # warm one's: what it faults in again is host memory.
-            moving = [s for s in history if len(s.moved) == 1]
-        for s in moving:
+        for s in steps:
+            if len(s.moved) != 1:
+                continue
             ((tier, nbytes),) = s.moved.items()
             extra = s.seconds - self.base_s - self._cost_of(s)
             per_byte.setdefault(tier, []).append(max(extra, 0.0) / nbytes)

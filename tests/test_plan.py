@@ -718,6 +718,19 @@ def test_plan_on_cuda_prices_copies_at_what_they_cost_the_steps() -> None:
     assert all(c.cost_s == pytest.approx(0.0, abs=1e-9) for c in plan.choices)
 
 
+def test_plan_on_cuda_takes_a_copying_step_as_its_base_and_prices_no_faults() -> None:
+    # A budget no plan reaches: every step copies. The policies' 0.05 s overlap the
+    # kernels, and the pages faulted in are host memory (new pinned buffers).
+    profile = copied_only(1.0)
+    for record in profile.history:
+        record.faulted_bytes = 4 << 30
+    plan = make_plan(profile, MiB // 2, device="cuda", rates=Rates(link=1e12, refault=1e9))
+    assert plan is not None and not plan.fits
+    assert plan.faults_s == 0 and plan.faulted_bytes == 0
+    assert plan.base_step_s == pytest.approx(1.0 - plan.hooks_s)
+    assert plan.predicted_step_s == pytest.approx(1.0, rel=0.02)
+
+
 def test_plan_remembers_what_copies_cost_once_they_left_the_history() -> None:
     link = Rates(link=1e12)
     profile = copied_only(1.0)
