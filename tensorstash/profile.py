@@ -40,7 +40,10 @@
    every page it touches is faulted in again, which made a module's forward
    time 2-3x what it is in training (HF GPT-2, 4 layers, d=256: a block 25 ms
    against 12 ms, its GELU 8 ms against 2.7 ms) and a step 1.5-2x. Its times
-   count only until a warm step measured the same thing.
+   count only until a warm step measured the same thing, and the plan is
+   made again after that warm step, measured or not: a plan that first
+   moved bytes in a cold step learns what moving cost only from it (NOTE
+   [ Plan ] rule 9).
    A step in which the process imported Python modules takes no peak, and
    the next step takes it again: what an import allocates stays for good,
    and is no step's. The first ``torch.utils.checkpoint`` of a process
@@ -263,6 +266,7 @@ class Profile:
     _root_name: str | None = None
     _remeasure: int = 0
     _measured_last: bool = False
+    _cold_last: bool = False
     _revision: int = 0
     _plans: dict[Any, tuple[int, int, Any]] = field(default_factory=dict)
     _warned: set[int] = field(default_factory=set)
@@ -356,7 +360,10 @@ class Profile:
             self.modules = _median_modules(self.module_history)
         if resized:
             self._remeasure = 2  # rule 6: measure the new shapes
-        if resized or step.measure:
+        # Rule 6: a cold step's times count until a warm one measured the same plan.
+        warmed = self._cold_last and not record.cold
+        self._cold_last = record.cold
+        if resized or step.measure or warmed:
             self._revision += 1  # the plan is made again (rule 5)
 
     # -- what the session records ---------------------------------------------------

@@ -256,6 +256,19 @@ def test_profile_module_times_from_a_cold_step_count_only_until_a_warm_one() -> 
     assert _median_modules(history)["a"].forward_s == pytest.approx(0.015)
 
 
+def test_profile_makes_the_plan_again_after_the_warm_step_that_follows_a_cold_one() -> None:
+    model, profile = net(), ts.Profile(measure_steps=1, remeasure_every=0)
+    revisions, colds = [], []
+    for _ in range(4):
+        step(model, batch(), profile)
+        revisions.append(profile._revision)
+        colds.append(profile.history[-1].cold)
+    # The first step measures, cold; the second is warm and measures nothing, yet
+    # its times are the first warm ones: the plan is made again after it, then not.
+    assert colds == [True, False, False, False]
+    assert revisions == [1, 2, 2, 2]
+
+
 def test_profile_measures_both_steps_after_a_batch_of_another_shape() -> None:
     model, profile = net(), ts.Profile(measure_steps=1, remeasure_every=0)
     for _ in range(2):
