@@ -262,7 +262,7 @@ def make_plan(
             OS (rule 8: ``Auto`` on the CPU).
     """
     step = profile.measured()
-    if step is None or not profile.last:
+    if step is None:
         return None
     speeds = rates or Rates()
     solve = functools.partial(_solve, profile, step, budget, device, speeds, recompute, never)

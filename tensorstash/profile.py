@@ -16,7 +16,13 @@
    - the step: forward and backward seconds, the eligible bytes held when
      forward ends, and the real peak memory growth (NOTE [ Real memory ]).
 3. What saves nothing (``no_grad``) and evaluation forwards (the first module
-   called is not in training) are not steps: they change nothing here.
+   called is not in training) are not steps: they change nothing here. A
+   training forward whose saved tensors are all under ``min_bytes`` is a step
+   with no site: it has nothing to plan, and its steps run quiet (rule 8)
+   like any plan that moves nothing; were it not counted, every one of its
+   steps would be measured, with hooks (2x the step of a small MLP). It
+   leaves the sites of the steps before it as they were (a short batch
+   between long ones).
 4. The sites inside a module that the plan recomputes are not saved in its
    steps (its region's own hooks keep them): they keep what an earlier step
    measured.
@@ -326,18 +332,19 @@ class Profile:
         """A step's backward ended (or it was not a step: ``record`` is None)."""
         if self._step is step:
             self._step = None
-        if record is None or not self.current:
+        if record is None:
             return
         resized = any(
             site in self.last and self.last[site].nbytes != rec.nbytes
             for site, rec in self.current.items()
         )
-        carried = {
-            site: rec
-            for site, rec in self.last.items()
-            if site not in self.current and _inside(site[0], record.recomputed)
-        }  # rule 4
-        self.last = {**carried, **self.current}
+        if self.current:  # a step that saved nothing eligible keeps the sites (rule 3)
+            carried = {
+                site: rec
+                for site, rec in self.last.items()
+                if site not in self.current and _inside(site[0], record.recomputed)
+            }  # rule 4
+            self.last = {**carried, **self.current}
         self.current = {}
         self.inputs = step.inputs
         self.steps += 1
@@ -860,7 +867,7 @@ class _Step:
     def session_exited(self) -> None:
         """The session exited (after its backward, or before it)."""
         self.end_forward()
-        if not self._backward and (self.training is False or not self.profile.current):
+        if not self._backward and not self._a_step():
             self.profile._finished(self, None)  # rule 3: not a step
 
     def backward_started(self) -> None:
@@ -871,8 +878,20 @@ class _Step:
         self.end_forward()
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
 
+    def _a_step(self) -> bool:
+        """Rule 3: a training forward that saved an eligible tensor, or saved only
+        tensors under ``min_bytes`` in modules in training (a step with nothing to plan)."""
+        if self.training is False:
+            return False
+        if self.profile.current:
+            return True
+        stats = self.ctx.stats
+        hot = stats.hot
+        packed = hot.tensors + hot.small_tensors + sum(t.tensors for t in stats.tiers.values())
+        return self.training is True and packed > 0
+
     def _backward_ended(self) -> None:
-        if self.training is False or not self.profile.current:
+        if not self._a_step():
             self.profile._finished(self, None)  # rule 3: not a step
             return
         end = self._timer.mark()

@@ -603,6 +603,39 @@ def test_auto_runs_a_step_that_keeps_everything_without_hooks_bitwise() -> None:
     assert top_saved_tensors_hooks() is None and not _trim_threads()
 
 
+def test_auto_runs_a_model_that_saves_only_small_tensors_without_hooks_bitwise() -> None:
+    # Every tensor this model saves is under min_bytes: its steps have no site to
+    # plan, and still count, so they go quiet as a plan that keeps everything does.
+    plain, stashed = fresh(), fresh()
+    train(plain, 6)
+    seen = _hooks_seen_by(stashed.blocks[0])
+    profile = ticking()
+    sessions = train(stashed, 6, ts.Auto(), profile, min_bytes=1 << 30)
+    assert profile.steps == 6 and profile.last == {}
+    assert [s.stats.quiet for s in sessions] == [0, 0, 0, 1, 1, 1]
+    assert all(hooks is None for hooks in seen[3:])
+    assert all(s.plan is not None and s.plan.quiet for s in sessions[3:])
+    assert_same_weights(plain, stashed)
+    assert top_saved_tensors_hooks() is None
+
+
+def test_auto_step_that_saves_nothing_eligible_keeps_the_plan_of_the_steps_around_it() -> None:
+    model = fresh()
+    budget = activation_bytes(model, data()) // 2
+    profile, auto = ticking(), ts.Auto(device_budget=budget)
+    held, sites = [], [dict(profile.last)]
+    for rows in (512, 512, 512, 4, 512, 512):  # a 4-row batch saves nothing eligible
+        with ts.stash(auto, profile=profile) as session:
+            loss = model(data(rows))
+        loss.backward()
+        if rows == 4:
+            assert profile.last == sites[-1]  # what the plan knows stays
+        sites.append(dict(profile.last))
+        held.append(session.stats.to_dict()["tiers"]["kept"]["peak_bytes"])
+    assert profile.steps == 6
+    assert all(nbytes <= budget for nbytes in held[1:])
+
+
 def test_auto_quiet_step_recomputes_what_its_plan_says_bitwise() -> None:
     plain, stashed = fresh(), fresh()
     train(plain, 6)
