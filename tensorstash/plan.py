@@ -586,16 +586,16 @@ class _Solver:
 
         The base is the median over the measured steps that moved nothing
         (warm ones, once there are) of their time less what they recomputed
-        and the pages they faulted in (rule 8) (or, before such a step, of the
-        last steps less the time spent in policies as well). A step that moved
-        bytes to one tier gives that tier's cost per byte: its time over the
-        base, less its recompute and faults, per byte moved (on the CPU, the host
-        tier is lz4's; copies to a CUDA device's host keep the link's speed).
-        Steps whose backward timed its recompute give what a second of forward
-        costs when recomputed (``recompute_factor``). On CUDA, once a step moved
-        nothing (or was quiet), the steps that copied give what a copy cost
-        (``copy_s_per_byte``, rule 9). The steps are the history and, of those
-        that left it, the last of each kind of move it lacks (rule 9).
+        and the pages they faulted in (rule 8); before such a step, of the quiet
+        steps plus the hooks, or of the last steps (on the CPU less the time
+        spent in policies as well: rule 9). A step that moved bytes to one tier
+        gives that tier's cost per byte: its time over the base, less its
+        recompute and faults, per byte moved (on the CPU, the host tier is
+        lz4's; on CUDA it is what a copy cost, ``copy_s_per_byte``, once the
+        base was measured: rule 9). Steps whose backward timed its recompute
+        give what a second of forward costs when recomputed
+        (``recompute_factor``). The steps are the history and, of those that
+        left it, the last of each kind of move it lacks (rule 9).
         """
         history = self.profile.calibration_steps()  # rule 9
         steps = [s for s in history if not s.cold] or history  # warm ones: NOTE [ Profile ] 6
