@@ -54,7 +54,8 @@
    1.12-1.19x and 0.49-0.51 at 1.25x; the rules below were measured then.)
 7. Handing memory back and faulting it in again is the price, so it is
    counted: ``StashStats.returned_bytes``, the bytes the resident set fell by
-   over the session's calls, and ``StashStats.returns``, the calls (for a
+   over the session's calls, ``StashStats.returned_seconds``, the time the
+   calls took, and ``StashStats.returns``, the calls (for a
    disk spill, of its writer and read-aheads; for ``Auto``, of its
    ``Watch``). On the GPT-2 config of rule 1 a disk spill with the default
    ``trim_every`` hands back about 90 MiB a step in 8 calls, which the step
@@ -156,7 +157,7 @@ class Trimmer:
             None where there is none).
         resident: reads the resident set in bytes.
         counted: told, after each call, how many bytes the resident set fell
-            by (rule 7): ``StashStats.returned``.
+            by and how many seconds the call took (rule 7): ``StashStats.returned``.
 
     Example:
         >>> trimmer = Trimmer(16 << 20)
@@ -168,7 +169,7 @@ class Trimmer:
         every: int | None,
         release: Release | None = _DEFAULT,
         resident: Callable[[], int] = resident_bytes,
-        counted: Callable[[int], object] | None = None,
+        counted: Callable[[int, float], object] | None = None,
     ) -> None:
         self.every = None if release is None else every
         self.release = release
@@ -190,11 +191,13 @@ class Trimmer:
             if before - self._base < self.every:
                 return
             self.calls += 1
+            start = time.perf_counter()
             if self.release is not None:
                 self.release()
+            took = time.perf_counter() - start
             self._base = self.resident()
             if self.counted is not None:
-                self.counted(max(before - self._base, 0))
+                self.counted(max(before - self._base, 0), took)
 
     def freed(self) -> None:
         """Memory may have been freed: growth counts from the resident set now, if lower."""
@@ -222,7 +225,7 @@ class Watch:
         release: Release | None = _DEFAULT,
         resident: Callable[[], int] = resident_bytes,
         interval_s: float = 0.01,
-        counted: Callable[[int], object] | None = None,
+        counted: Callable[[int, float], object] | None = None,
     ) -> None:
         self.trimmer = Trimmer(every, release, resident, counted)
         self.holding = holding

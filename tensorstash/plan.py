@@ -67,6 +67,12 @@
    less what its held bytes touched, plus what the plan's do; where the plan's
    steps hand memory back and none ran yet, at least the step's activation
    bytes. ``Rates.refault`` is probed as pages handed back and written again.
+   The calls that hand memory back take time of their own, walking the free
+   heap (on the GPT-2 config, ``Auto`` at half its activation bytes: about 2
+   calls a step, 4-5 ms each, 7% of the step, which the predictions missed):
+   they are timed (``StepRecord.trim_s``) and priced as the faults are, from
+   the steps that ran the plan, or before one did, where its steps hand
+   memory back, from the steps that did.
    On CUDA the pages are host memory, faulted in while the kernels run, and
    are not priced: a profile's first step on an H200 faulted in 4.6 GiB of
    new pinned buffers, and priced as on the CPU they made a plain step's
@@ -173,6 +179,8 @@ class Plan:
         faulted_bytes: the pages a step of the plan faults in (rule 8).
         faults_s: what faulting them in costs a step (rule 8): in
             ``predicted_step_s`` (``base_step_s`` has a plain step's).
+        trim_s: what handing memory back to the OS costs a step, the calls
+            themselves (rule 8): in ``predicted_step_s``.
     """
 
     budget: int
@@ -188,6 +196,7 @@ class Plan:
     hooks_s: float = 0.0
     faulted_bytes: int = 0
     faults_s: float = 0.0
+    trim_s: float = 0.0
 
     @property
     def quiet(self) -> bool:
@@ -227,6 +236,8 @@ class Plan:
         hooks = "no hooks (a quiet step)" if self.quiet else f"hooks {1e3 * self.hooks_s:.1f} ms"
         if self.faulted_bytes:
             hooks += f"; faults in {human_bytes(self.faulted_bytes)}, {1e3 * self.faults_s:.1f} ms"
+        if self.trim_s:
+            hooks += f"; hands memory back, {1e3 * self.trim_s:.1f} ms"
         lines.append(
             f"predicted step {self.predicted_step_s:.3f} s ({overhead:.2f}x of a plain step; "
             f"{hooks}), real peak growth {peak}"
@@ -531,9 +542,11 @@ class _Solver:
         quiet = not tiers and held <= self.budget and reachable <= self.budget  # Plan.quiet
         faulted = 0 if self.device == "cuda" else self._faulted(recompute, bool(tiers), held, step)
         faults_s = self._faults_s(faulted)
+        trim_s = self._trimmed(recompute, bool(tiers))
         predicted = base + (0.0 if quiet else self.hooks_s) + sum(c.cost_s for c in choices)
-        predicted += faults_s
+        predicted += faults_s + trim_s
         base += self._faults_s(self._faulted((), False, self.activation, step))  # a plain step's
+        base += self._trimmed((), False)
         peak = None
         measured = self.profile.peak  # the last step that took the real peak
         if measured is not None and measured.peak_bytes is not None:
@@ -555,6 +568,7 @@ class _Solver:
             hooks_s=self.hooks_s,
             faulted_bytes=faulted,
             faults_s=faults_s,
+            trim_s=trim_s,
         )
 
     def _faulted(self, recompute: tuple[str, ...], moves: bool, held: int, step: StepRecord) -> int:
@@ -575,6 +589,20 @@ class _Solver:
         if self.trims and (recompute or moves):
             estimate = max(estimate, self.activation)  # the pages its trims hand back
         return max(estimate, 0)
+
+    def _trimmed(self, recompute: tuple[str, ...], moves: bool) -> float:
+        """Rule 8: the seconds a step of this plan spends handing memory back: as the
+        steps that ran it did, or, where its steps hand memory back, as those that did."""
+        profile = self.profile
+        ran = [*profile.calibration_steps(), *profile.quiet_history]
+        steps = [s for s in ran if s.recomputed == recompute and bool(s.moved) == moves]
+        steps = [s for s in steps if not s.cold] or steps
+        if steps:
+            return statistics.median(s.trim_s for s in steps)
+        trimmed = [s.trim_s for s in ran if s.trim_s > 0]
+        if trimmed and (recompute or moves) and (self.trims or moves):
+            return statistics.median(trimmed)
+        return 0.0
 
     def _faults_s(self, faulted: int) -> float:
         if self.device == "cuda" or self.rates.refault <= 0:
@@ -663,8 +691,9 @@ class _Solver:
 
     def _cost_of(self, step: StepRecord) -> float:
         """What ``step`` spent past a plain step's work and moving bytes: its recompute,
-        as timed in its backward or as the model says, and the pages it faulted in (rule 8)."""
-        faults = self._faults_s(step.faulted_bytes)
+        as timed in its backward or as the model says, the pages it faulted in, and its
+        calls that handed memory back (rule 8)."""
+        faults = self._faults_s(step.faulted_bytes) + step.trim_s
         if step.recompute_s is not None:
             return step.recompute_s + faults
         return self._forward_of(step.recomputed) * self.recompute_factor + faults

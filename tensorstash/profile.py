@@ -166,6 +166,8 @@ class StepRecord:
             faults times the page size; 0 where there is no ``getrusage``):
             fresh memory the step touched, memory a trim handed back to the OS
             included (NOTE [ Plan ] rule 8).
+        trim_s: seconds the step's calls that handed memory back to the OS took
+            (``StashStats.returned_seconds``; NOTE [ Plan ] rule 8).
     """
 
     forward_s: float
@@ -178,6 +180,7 @@ class StepRecord:
     cold: bool = False
     recompute_s: float | None = None
     faulted_bytes: int = 0
+    trim_s: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -419,7 +422,7 @@ class Profile:
             return None
         step.cancel()
         self.steps += 1
-        quiet = _QuietStep(self, root, step.device, recomputed)
+        quiet = _QuietStep(self, root, step.device, recomputed, step.ctx.stats)
         self._quiet.append(quiet)
         return quiet
 
@@ -618,6 +621,7 @@ class Profile:
             policy_s=statistics.median(rec.policy_s for rec in same),
             moved=same[-1].moved,
             faulted_bytes=int(statistics.median(rec.faulted_bytes for rec in same)),
+            trim_s=statistics.median(rec.trim_s for rec in same),
         )
 
     def calibration_steps(self) -> list[StepRecord]:
@@ -702,6 +706,7 @@ def _step_row(record: StepRecord) -> dict[str, Any]:
         "cold": record.cold,
         "recompute_s": record.recompute_s,
         "faulted_bytes": record.faulted_bytes,
+        "trim_s": record.trim_s,
     }
 
 
@@ -717,6 +722,7 @@ def _step_record(row: dict[str, Any]) -> StepRecord:
         bool(row["cold"]),
         None if row["recompute_s"] is None else float(row["recompute_s"]),
         faulted_bytes=int(row.get("faulted_bytes", 0)),  # absent in older states
+        trim_s=float(row.get("trim_s", 0.0)),
     )
 
 
@@ -916,6 +922,7 @@ class _Step:
             cold=self.cold,
             recompute_s=recompute_s,
             faulted_bytes=faulted_since(self._faults) or 0,
+            trim_s=stats.returned_seconds,
         )
         self.profile._finished(self, record)
 
@@ -935,9 +942,13 @@ class _QuietStep:
         root: nn.Module,
         device: torch.device,
         recomputed: tuple[str, ...],
+        stats: Any = None,
     ) -> None:
         self.profile = weakref.ref(profile)
         self.recomputed = recomputed
+        self.stats = stats  # the session's: its trim thread counts its calls there
+        self.trims = 0.0 if stats is None else stats.returned_seconds
+        self.trim_s = 0.0
         self.timer: _CpuTimer | _CudaTimer = (
             _CudaTimer(device) if device.type == "cuda" else _CpuTimer(profile.clock)
         )
@@ -971,6 +982,8 @@ class _QuietStep:
     def _backward_ended(self) -> None:
         self.end = self.timer.mark()
         self.faulted = faulted_since(self.faults) or 0
+        if self.stats is not None:
+            self.trim_s = self.stats.returned_seconds - self.trims
         self.ended = True
 
     def _freed(self) -> None:
@@ -1005,6 +1018,7 @@ class _QuietStep:
             recomputed=self.recomputed,
             recompute_s=recompute_s,
             faulted_bytes=self.faulted,
+            trim_s=self.trim_s,
         )
 
 

@@ -171,6 +171,7 @@ class StashStats:
     unpacks: int = 0
     inside_recompute: int = 0
     returned_bytes: int = 0
+    returned_seconds: float = 0.0
     returns: int = 0
     quiet: int = 0
     hot: HotCounts = field(default_factory=HotCounts, repr=False, compare=False)
@@ -252,8 +253,9 @@ class StashStats:
         with self._lock:
             self.fallbacks[reason] += 1
 
-    def returned(self, nbytes: int) -> None:
-        """Count one hand-back of free memory to the OS, and the bytes the resident set fell by.
+    def returned(self, nbytes: int, seconds: float = 0.0) -> None:
+        """Count one hand-back of free memory to the OS: the bytes the resident set fell
+        by, and the seconds the call took.
 
         NOTE [ Returning memory ] in _trim.py, rule 7: the bytes are faulted in
         again when the process reuses them.
@@ -261,6 +263,7 @@ class StashStats:
         with self._lock:
             self.returns += 1
             self.returned_bytes += nbytes
+            self.returned_seconds += seconds
 
     def timed(self, kind: Literal["pack", "unpack", "wait"], seconds: float) -> None:
         with self._lock:
@@ -327,6 +330,7 @@ class StashStats:
                 "deduplicated": self.deduplicated,
                 "inside_recompute": self.inside_recompute,
                 "returned_bytes": self.returned_bytes,
+                "returned_seconds": self.returned_seconds,
                 "returns": self.returns,
                 "quiet": self.quiet,
                 "skipped": dict(self.skipped),
@@ -369,6 +373,7 @@ class StashStats:
             self.deduplicated += data["deduplicated"]
             self.inside_recompute += data.get("inside_recompute", 0)
             self.returned_bytes += data.get("returned_bytes", 0)
+            self.returned_seconds += data.get("returned_seconds", 0.0)
             self.returns += data.get("returns", 0)
             self.quiet += data.get("quiet", 0)
             self.skipped.update(data["skipped"])
@@ -446,7 +451,8 @@ class StashStats:
         if data["returns"]:
             lines.append(
                 f"handed back to the OS: {human_bytes(data['returned_bytes'])} in "
-                f"{data['returns']} call(s), faulted in again when reused"
+                f"{data['returns']} call(s) ({data['returned_seconds']:.3f}s), faulted in "
+                "again when reused"
             )
         if data["quiet"]:
             lines.append(

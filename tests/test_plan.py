@@ -827,6 +827,37 @@ def test_plan_prices_the_pages_its_steps_fault_in() -> None:
     assert kept is not None and kept.faulted_bytes == 0 and kept.faults_s == 0.0
 
 
+def test_plan_prices_the_calls_that_hand_memory_back() -> None:
+    profile = two_blocks(cheap_s=0.002, dear_s=0.008)
+    rates = Rates(refault=1e18)  # faults cost nothing here: only the calls count
+    # A step that recomputed "a" spent 30 ms of its 1.032 s handing memory back.
+    profile.quiet_history.append(StepRecord(0.3, 0.732, 0, None, ("a",), trim_s=0.03))
+    plan = make_plan(profile, 9 * MiB, rates=rates, trims=True)
+    assert plan is not None and plan.quiet and plan.recompute == ("a",)
+    assert plan.trim_s == pytest.approx(0.03)
+    assert plan.predicted_step_s == pytest.approx(1.032)  # its base, recompute and trims
+    assert plan.hooks_s == pytest.approx(0.0, abs=1e-9)  # the calls are not the hooks'
+    assert "hands memory back, 30.0 ms" in plan.table()
+    # Another plan whose steps hand memory back, before one ran: as the steps that did.
+    other = make_plan(profile, 9 * MiB, rates=rates, trims=True, always=("b",))
+    assert other is not None and other.recompute == ("b",)
+    assert other.trim_s == pytest.approx(0.03)
+    # A plan that keeps everything hands nothing back.
+    kept = make_plan(profile, 64 * MiB, rates=rates, trims=True)
+    assert kept is not None and kept.trim_s == 0.0
+
+
+def test_profile_times_what_a_planned_cpu_step_spends_handing_memory_back() -> None:
+    model = fresh()
+    budget = activation_bytes(model, data()) // 2
+    profile = ticking()
+    sessions = train(model, 4, ts.Auto(device_budget=budget, trim_every=1), profile)
+    trimmed = [s.trim_s for s in [*profile.history, *profile.quiet_history] if s.recomputed]
+    calls = sum(session.stats.returns for session in sessions)
+    assert calls > 0 and trimmed and all(t >= 0 for t in trimmed) and max(trimmed) > 0
+    assert sum(s.stats.returned_seconds for s in sessions) > 0
+
+
 def test_plan_expects_fewer_faults_from_a_plan_that_holds_less() -> None:
     # A step begun from a heap handed back to the OS faults in what it touches: the
     # measured step held 16 MiB and faulted in 40; a plan holding 9 MiB less touches less.
