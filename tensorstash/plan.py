@@ -576,12 +576,7 @@ class _Solver:
         (this recompute, and moving or not), or as ``step`` (the measured medians) did,
         less the bytes it held and plus the plan's."""
         profile = self.profile
-        steps = [
-            s
-            for s in (*profile.history, *profile.quiet_history)
-            if s.recomputed == recompute and bool(s.moved) == moves
-        ]
-        steps = [s for s in steps if not s.cold] or steps
+        steps = _ran(recompute, moves, (*profile.history, *profile.quiet_history))
         if steps:
             return int(statistics.median(s.faulted_bytes for s in steps))
         estimate = step.faulted_bytes + self._effective_held(recompute, held)
@@ -594,13 +589,12 @@ class _Solver:
         """Rule 8: the seconds a step of this plan spends handing memory back: as the
         steps that ran it did, or, where its steps hand memory back, as those that did."""
         profile = self.profile
-        ran = [*profile.calibration_steps(), *profile.quiet_history]
-        steps = [s for s in ran if s.recomputed == recompute and bool(s.moved) == moves]
-        steps = [s for s in steps if not s.cold] or steps
+        ran = (*profile.calibration_steps(), *profile.quiet_history)
+        steps = _ran(recompute, moves, ran)
         if steps:
             return statistics.median(s.trim_s for s in steps)
         trimmed = [s.trim_s for s in ran if s.trim_s > 0]
-        if trimmed and (recompute or moves) and (self.trims or moves):
+        if trimmed and (moves or (recompute and self.trims)):
             return statistics.median(trimmed)
         return 0.0
 
@@ -715,6 +709,13 @@ class _Solver:
             inside = sum(self.sites[site].nbytes for site in self.inside(path))
             peak = max(peak, before + record.input_bytes + inside)
         return peak
+
+
+def _ran(recompute: tuple[str, ...], moves: bool, steps: Iterable[StepRecord]) -> list[StepRecord]:
+    """The steps that ran a plan: its recompute, and moving bytes or not; warm ones once
+    there are (NOTE [ Profile ] rule 6)."""
+    same = [s for s in steps if s.recomputed == recompute and bool(s.moved) == moves]
+    return [s for s in same if not s.cold] or same
 
 
 def _index(
