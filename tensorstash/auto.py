@@ -566,7 +566,12 @@ class _AutoState:
             module = profile.module(path)
             if module is not None and wrap_for_plan(module, profile.clock):
                 self.recomputed.append((path, module))
-        profile.recomputing(tuple(path for path, _ in self.recomputed))
+        profile.recomputing(tuple(path for path, _ in self.recomputed), self._moves())
+
+    def _moves(self) -> frozenset[str]:
+        """The stats' tiers the plan moves bytes to, as a step's record will name them."""
+        tiers = self.plan.tiers.values() if self.plan is not None else ()
+        return frozenset("disk" if tier == "disk" else "host" for tier in tiers if tier != "keep")
 
     def _watch(self, plan: Plan) -> None:
         """Trim while a CPU step whose plan frees memory runs (NOTE [ Returning memory ], 6)."""

@@ -35,8 +35,9 @@
    plan cost (its recompute as timed in its backward: NOTE [ Recompute ]
    rule 7); the new plan adds its costs, a module's recompute at its forward
    time scaled by the median of timed over forward seconds in those steps.
-   The real peak is the last measured
-   peak less the eligible bytes held at its moment, plus the new plan's: the
+   The real peak is what the steps that took it under the last plan that
+   did held besides their eligible saved bytes (the median of their peaks
+   less the bytes held at each one's moment), plus the new plan's: the
    held bytes when forward ends, or more while backward recomputes a module
    (the tensors saved before it are still held, and its own are made again).
 7. A plan that moves nothing runs without hooks (NOTE [ Quiet steps ] in
@@ -548,12 +549,13 @@ class _Solver:
         base += self._faults_s(self._faulted((), False, self.activation, step))  # a plain step's
         base += self._trimmed((), False)
         peak = None
-        measured = self.profile.peak  # the last step that took the real peak
-        if measured is not None and measured.peak_bytes is not None:
-            other = measured.peak_bytes - self._effective_held(
-                measured.recomputed, measured.held_bytes
+        measured = [s for s in self.profile.peak_steps() if s.peak_bytes is not None]
+        if measured:  # the steps that took the real peak under the last plan that took it
+            other = statistics.median(
+                s.peak_bytes - self._effective_held(s.recomputed, s.held_bytes)  # type: ignore[operator]
+                for s in measured
             )
-            peak = max(0, other + self._effective_held(recompute, held))
+            peak = max(0, int(other) + self._effective_held(recompute, held))
         return Plan(
             budget=self.budget,
             activation_bytes=self.activation,

@@ -909,3 +909,24 @@ def test_refault_probe_measures_a_rate() -> None:
     from tensorstash import _rates
 
     assert _rates.refault_rate() > 0
+
+
+def test_plan_predicts_the_real_peak_from_the_median_of_the_steps_that_took_it() -> None:
+    """One step's real peak moves by up to a tenth from the next one's (the allocator
+    walks other free pages each step): the plan takes the median of what the steps
+    that took it under the last plan held besides their saved bytes."""
+    profile = two_blocks()
+    first = profile.history[-1]
+    assert first.peak_bytes is not None
+    low = dataclasses.replace(first, peak_bytes=first.peak_bytes - 6 * MiB)
+    high = dataclasses.replace(first, peak_bytes=first.peak_bytes + 4 * MiB)
+    other = dataclasses.replace(first, recomputed=("a",), peak_bytes=first.peak_bytes * 9)
+    for record in (other, low, high):
+        profile.history.append(record)
+        profile.peaks.append(record)
+    profile.peak = high  # the last that took it; ``other`` ran another plan
+    plan = make_plan(profile, 9 * MiB)
+    assert plan is not None and plan.predicted_peak_bytes is not None
+    # The median of the two under the last plan: their peaks less the bytes they held.
+    median = first.peak_bytes - MiB - first.held_bytes
+    assert plan.predicted_peak_bytes == median + max(plan.held_bytes, MiB + 8 * MiB)
