@@ -43,7 +43,15 @@
    training thread), from the model's first call until the step's saved
    tensors are all freed (after backward, or when the graph is dropped), and
    trims on the same rule, ``Auto(trim_every=)``: by default three quarters
-   of the step's activation bytes. On an HF GPT-2 config (4 layers, d=256,
+   of the step's activation bytes, and only where the plan holds at most two
+   thirds of them (``plan.RETURNS_BELOW``): a plan that keeps most of its
+   bytes frees too little for the pages faulted in again to pay. At three
+   quarters of the activation bytes (10 interleaved rounds each, 2 cores),
+   the watch took an HF GPT-2 config (4 layers, d=256, batch 4x128) from
+   0.88 of none's real peak at 0.98x none's step to 0.81 at 1.16x (float32),
+   and from 0.87 at 1.04x to 0.79 at 1.19x (bf16 autocast), where
+   checkpointing every block held 0.68 at 1.16x; the bench's ``small``
+   from 0.82 at 1.11x to 0.77 at 1.17x (float32). On an HF GPT-2 config (4 layers, d=256,
    batch 4x128) at half its activation bytes, real peak growth against
    none's, and step time against checkpointing every block (whose peak was
    0.79 of none's; benchmarks/auto_trim.py, 12 rounds): no trimming 0.88 at

@@ -45,7 +45,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 import torch
@@ -287,7 +287,8 @@ class Auto:
             OS each time the resident set grew by this many bytes (NOTE
             [ Returning memory ] in _trim.py, rule 6), so the bytes the plan
             frees leave the process. "auto": three quarters of the step's
-            activation bytes, at least 16 MiB. None: never.
+            activation bytes, at least 16 MiB, and only where the plan holds
+            at most two thirds of them (``Plan.returns_memory``). None: never.
         device_probe, host_probe, clock: injected probes (see :class:`Select`).
 
     Example:
@@ -372,6 +373,13 @@ class Auto:
 
     def unpack(self, packed: Any, ctx: Context) -> Tensor:
         return Select.unpack(self, packed, ctx)  # type: ignore[arg-type]
+
+
+def _trims(device: str, every: int | str | None) -> bool | Literal["auto"]:
+    """Whether a planned CPU step hands memory back: "auto", where the plan frees enough."""
+    if device != "cpu" or every is None:
+        return False
+    return "auto" if every == "auto" else True
 
 
 CPU_CONTENTION = 3.0
@@ -533,7 +541,7 @@ class _AutoState:
             never=lambda path: _named(profile.module(path), path, auto.never_recompute),
             always=_paths(profile, auto.always_recompute),
             rates=self._rates(root),
-            trims=device == "cpu" and auto.trim_every is not None,  # as _watch does
+            trims=_trims(device, auto.trim_every),  # as _watch does
         ))  # fmt: skip
         if plan is not None and not plan.fits and profile.warn_unreachable(self.budget):
             warnings.warn(
@@ -576,7 +584,7 @@ class _AutoState:
     def _watch(self, plan: Plan) -> None:
         """Trim while a CPU step whose plan frees memory runs (NOTE [ Returning memory ], 6)."""
         every = self.auto.trim_every
-        if every is None or self.device_type != "cpu" or not plan.choices:
+        if every is None or self.device_type != "cpu" or not plan.returns_memory:
             return
         if every == "auto":
             every = max(TRIM_LEAST, plan.activation_bytes * 3 // 4)

@@ -119,6 +119,10 @@ from tensorstash.stats import human_bytes
 Tier = Literal["keep", "host", "compressed", "disk"]
 
 DISK_BYTES_PER_S = 0.45e9
+
+RETURNS_BELOW = 2 / 3
+"""A plan holding more than this share of a step's activation bytes hands no memory back
+to the OS when ``trim_every`` is "auto" (rule 8): it frees too little for that to pay."""
 """Spill write, read and checksum, per second of a busy 2-core CPU (DESIGN.md, measured facts)."""
 LZ4_BYTES_PER_S = 0.6e9
 """lz4 compression and decompression of activations, per second of CPU."""
@@ -182,6 +186,8 @@ class Plan:
             ``predicted_step_s`` (``base_step_s`` has a plain step's).
         trim_s: what handing memory back to the OS costs a step, the calls
             themselves (rule 8): in ``predicted_step_s``.
+        returns_memory: whether ``Auto`` hands memory back to the OS while a
+            CPU step of the plan runs (rule 8; NOTE [ Returning memory ] in _trim.py).
     """
 
     budget: int
@@ -198,6 +204,7 @@ class Plan:
     faulted_bytes: int = 0
     faults_s: float = 0.0
     trim_s: float = 0.0
+    returns_memory: bool = False
 
     @property
     def quiet(self) -> bool:
@@ -258,7 +265,7 @@ def make_plan(
     never: Excluded = lambda path: False,
     always: Iterable[str] = (),
     rates: Rates | None = None,
-    trims: bool = False,
+    trims: bool | Literal["auto"] = False,
 ) -> Plan | None:
     """The plan for ``budget`` from what ``profile`` measured; None before a step was measured.
 
@@ -271,7 +278,8 @@ def make_plan(
         always: module paths recomputed whatever the budget.
         rates: the speeds of the cost model.
         trims: whether a step that saves bytes hands freed memory back to the
-            OS (rule 8: ``Auto`` on the CPU).
+            OS (rule 8: ``Auto`` on the CPU); "auto": where the plan holds at
+            most :data:`RETURNS_BELOW` of the activation bytes.
     """
     step = profile.measured()
     if step is None:
@@ -299,7 +307,7 @@ def _solve(
     always: Iterable[str],
     *,
     moves: bool,
-    trims: bool,
+    trims: bool | Literal["auto"],
 ) -> Plan:
     """One greedy plan (rule 3) from the medians ``step``; ``moves``: may sites leave the device."""
     solver = _Solver(profile, budget, device, rates, trims)
@@ -318,7 +326,12 @@ class _Solver:
     """The greedy of rule 3 over one profile's sites and modules."""
 
     def __init__(
-        self, profile: Profile, budget: int, device: str, rates: Rates, trims: bool = False
+        self,
+        profile: Profile,
+        budget: int,
+        device: str,
+        rates: Rates,
+        trims: bool | Literal["auto"] = False,
     ) -> None:
         self.profile = profile
         self.trims = trims
@@ -541,13 +554,22 @@ class _Solver:
         reachable = largest if held <= self.budget else self._reachable()
         base = self.base_s - self.hooks_s  # a plain step (rule 7), without its faults (rule 8)
         quiet = not tiers and held <= self.budget and reachable <= self.budget  # Plan.quiet
-        faulted = 0 if self.device == "cuda" else self._faulted(recompute, bool(tiers), held, step)
+        returns = bool(choices) and (
+            self.trims is True or (self.trims == "auto" and held <= RETURNS_BELOW * self.activation)
+        )
+        faulted = (
+            0
+            if self.device == "cuda"
+            else self._faulted(recompute, bool(tiers), held, step, returns)
+        )
         faults_s = self._faults_s(faulted)
-        trim_s = self._trimmed(recompute, bool(tiers))
+        trim_s = self._trimmed(recompute, bool(tiers), returns)
         predicted = base + (0.0 if quiet else self.hooks_s) + sum(c.cost_s for c in choices)
         predicted += faults_s + trim_s
-        base += self._faults_s(self._faulted((), False, self.activation, step))  # a plain step's
-        base += self._trimmed((), False)
+        base += self._faults_s(
+            self._faulted((), False, self.activation, step, False)
+        )  # a plain step's
+        base += self._trimmed((), False, False)
         peak = None
         measured = [s for s in self.profile.peak_steps() if s.peak_bytes is not None]
         if measured:  # the steps that took the real peak under the last plan that took it
@@ -571,32 +593,41 @@ class _Solver:
             faulted_bytes=faulted,
             faults_s=faults_s,
             trim_s=trim_s,
+            returns_memory=returns,
         )
 
-    def _faulted(self, recompute: tuple[str, ...], moves: bool, held: int, step: StepRecord) -> int:
+    def _faulted(
+        self,
+        recompute: tuple[str, ...],
+        moves: bool,
+        held: int,
+        step: StepRecord,
+        returns: bool,
+    ) -> int:
         """Rule 8: the pages a step of this plan faults in: as the steps that ran it did
         (this recompute, and moving or not), or as ``step`` (the measured medians) did,
-        less the bytes it held and plus the plan's."""
+        less the bytes it held and plus the plan's (``returns``: its steps hand memory back)."""
         profile = self.profile
         steps = _ran(recompute, moves, (*profile.history, *profile.quiet_history))
         if steps:
             return int(statistics.median(s.faulted_bytes for s in steps))
         estimate = step.faulted_bytes + self._effective_held(recompute, held)
         estimate -= self._effective_held(step.recomputed, step.held_bytes)
-        if self.trims and (recompute or moves):
+        if returns:
             estimate = max(estimate, self.activation)  # the pages its trims hand back
         return max(estimate, 0)
 
-    def _trimmed(self, recompute: tuple[str, ...], moves: bool) -> float:
+    def _trimmed(self, recompute: tuple[str, ...], moves: bool, returns: bool) -> float:
         """Rule 8: the seconds a step of this plan spends handing memory back: as the
-        steps that ran it did, or, where its steps hand memory back, as those that did."""
+        steps that ran it did, or, where its steps hand memory back (a disk spill's
+        writer, or ``returns``: ``Auto``'s watch), as those that did."""
         profile = self.profile
         ran = (*profile.calibration_steps(), *profile.quiet_history)
         steps = _ran(recompute, moves, ran)
         if steps:
             return statistics.median(s.trim_s for s in steps)
         trimmed = [s.trim_s for s in ran if s.trim_s > 0]
-        if trimmed and (moves or (recompute and self.trims)):
+        if trimmed and (moves or returns):
             return statistics.median(trimmed)
         return 0.0
 

@@ -930,3 +930,50 @@ def test_plan_predicts_the_real_peak_from_the_median_of_the_steps_that_took_it()
     # The median of the two under the last plan: their peaks less the bytes they held.
     median = first.peak_bytes - MiB - first.held_bytes
     assert plan.predicted_peak_bytes == median + max(plan.held_bytes, MiB + 8 * MiB)
+
+
+def test_plan_hands_memory_back_only_where_it_frees_enough() -> None:
+    """``trim_every="auto"``: a plan holding more than RETURNS_BELOW of the activation bytes
+    hands nothing back (the pages faulted in again cost more than it frees); one holding
+    less does, and is priced for it; ``trims=True`` (a size the user gave) always does."""
+    from tensorstash.plan import RETURNS_BELOW
+
+    profile = two_blocks(cheap_s=0.002, dear_s=0.008)  # 16 MiB of activations
+    rates = Rates(refault=8 * MiB / 0.01)
+    low = make_plan(profile, 9 * MiB, rates=rates, trims="auto")
+    assert low is not None and low.recompute == ("a",) and low.choices
+    assert low.held_bytes <= RETURNS_BELOW * low.activation_bytes and low.returns_memory
+    assert low.faulted_bytes == 16 * MiB  # at least a step's activation bytes, handed back
+    # A small block first: recomputing it saves a little, and the plan holds most bytes.
+    profile = profile_of(
+        {"a": (0.001, 0), "b": (0.008, MiB)}, {"a": [2 * MiB], "b": [7 * MiB, 7 * MiB]}
+    )
+    high = make_plan(profile, 15 * MiB, rates=rates, trims="auto")
+    assert high is not None and high.recompute == ("a",)
+    assert high.held_bytes > RETURNS_BELOW * high.activation_bytes and not high.returns_memory
+    assert high.faulted_bytes < 16 * MiB  # what the measured step touched, less what it saves
+    always = make_plan(profile, 15 * MiB, rates=rates, trims=True)
+    assert always is not None and always.returns_memory
+    assert always.predicted_step_s > high.predicted_step_s
+    kept = make_plan(profile, 64 * MiB, rates=rates, trims=True)
+    assert kept is not None and not kept.choices and not kept.returns_memory
+
+
+def test_auto_watches_a_planned_cpu_step_only_where_its_plan_hands_memory_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tensorstash.auto as auto_module
+
+    made: list[int] = []
+    watch = auto_module.Watch
+    monkeypatch.setattr(
+        auto_module, "Watch", lambda every, *a, **k: made.append(every) or watch(every, *a, **k)
+    )
+    model = fresh()
+    activation = activation_bytes(model, data())
+    for share, watched in ((0.4, True), (0.9, False)):
+        made.clear()
+        sessions = train(model, 3, ts.Auto(device_budget=int(activation * share)), ticking())
+        plan = sessions[-1].plan
+        assert plan is not None and plan.choices and plan.returns_memory is watched
+        assert bool(made) is watched, (share, made)
