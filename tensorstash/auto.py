@@ -532,7 +532,8 @@ class _AutoState:
         profile = self.profile
         auto = self.auto
         device = "cuda" if self.device_type == "cuda" else "cpu"
-        key = (device, auto.recompute, auto.never_recompute, auto.always_recompute)
+        trims = _trims(device, auto.trim_every)
+        key = (device, auto.recompute, auto.never_recompute, auto.always_recompute, trims)
         plan = profile.plan_for(key, self.budget, lambda: make_plan(
             profile,
             self.budget,
@@ -541,7 +542,7 @@ class _AutoState:
             never=lambda path: _named(profile.module(path), path, auto.never_recompute),
             always=_paths(profile, auto.always_recompute),
             rates=self._rates(root),
-            trims=_trims(device, auto.trim_every),  # as _watch does
+            trims=trims,  # as _watch does
         ))  # fmt: skip
         if plan is not None and not plan.fits and profile.warn_unreachable(self.budget):
             warnings.warn(

@@ -977,3 +977,15 @@ def test_auto_watches_a_planned_cpu_step_only_where_its_plan_hands_memory_back(
         plan = sessions[-1].plan
         assert plan is not None and plan.choices and plan.returns_memory is watched
         assert bool(made) is watched, (share, made)
+
+
+def test_autos_that_trim_differently_share_a_profile_without_sharing_a_plan() -> None:
+    """The plan cached in a profile is made for an ``Auto``'s options, ``trim_every``
+    among them: one that hands no memory back never runs the plan of one that does."""
+    model = fresh()
+    budget = int(activation_bytes(model, data()) * 0.4)
+    profile = ticking()
+    sessions = train(model, 5, ts.Auto(device_budget=budget), profile)
+    assert sessions[-1].plan is not None and sessions[-1].plan.returns_memory
+    (session,) = train(model, 1, ts.Auto(device_budget=budget, trim_every=None), profile)
+    assert session.plan is not None and not session.plan.returns_memory
