@@ -419,9 +419,9 @@ class _Solver:
         nbytes = self.sites[site].nbytes
         rates = self.rates
         if self.device == "cuda":
-            stall = nbytes / rates.link if self.copied + nbytes > self.capacity else 0.0
             if self.copy_s_per_byte is None:
                 return "host", nbytes, nbytes / rates.link
+            stall = nbytes / rates.link if self.copied + nbytes > self.capacity else 0.0
             return "host", nbytes, nbytes * self.copy_s_per_byte + stall
         compressed = nbytes - int(nbytes / rates.ratio)
         disk_cost, lz4_cost = nbytes / rates.disk, nbytes / rates.compress
@@ -566,10 +566,8 @@ class _Solver:
         trim_s = self._trimmed(recompute, bool(tiers), returns)
         predicted = base + (0.0 if quiet else self.hooks_s) + sum(c.cost_s for c in choices)
         predicted += faults_s + trim_s
-        base += self._faults_s(
-            self._faulted((), False, self.activation, step, False)
-        )  # a plain step's
-        base += self._trimmed((), False, False)
+        plain_faulted = self._faulted((), False, self.activation, step, False)
+        base += self._faults_s(plain_faulted) + self._trimmed((), False, False)  # a plain step's
         peak = None
         measured = [s for s in self.profile.peak_steps() if s.peak_bytes is not None]
         if measured:  # the steps that took the real peak under the last plan that took it

@@ -337,11 +337,11 @@ class Profile:
     def _peak_due(self) -> bool:
         """Rule 6: the last step ran a plan under which fewer than PEAK_SAMPLES steps took
         the real peak."""
-        return (
-            self.measure_memory
-            and bool(self.history)
-            and self._peak_counts[_plan_of(self.history[-1])] < PEAK_SAMPLES
-        )
+        return bool(self.history) and self._needs_peak(_plan_of(self.history[-1]))
+
+    def _needs_peak(self, plan: tuple[Any, ...]) -> bool:
+        """Rule 6: fewer than PEAK_SAMPLES steps took the real peak under ``plan``."""
+        return self.measure_memory and self._peak_counts[plan] < PEAK_SAMPLES
 
     def _finished(self, step: _Step, record: StepRecord | None) -> None:
         """A step's backward ended (or it was not a step: ``record`` is None)."""
@@ -618,8 +618,7 @@ class Profile:
             step.recomputed = paths
             # Seconds left from a step whose backward never ended are not this step's.
             self.take_recompute_seconds(paths)
-            due = self._peak_counts[(paths, moves)] < PEAK_SAMPLES
-            if step.measure and self.measure_memory and due:
+            if step.measure and self._needs_peak((paths, moves)):  # as _plan_of names it
                 step.take_peak()
 
     def peak_steps(self) -> list[StepRecord]:
