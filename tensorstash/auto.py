@@ -448,15 +448,13 @@ class _AutoState:
     def begin(self) -> None:
         """Plan when the model is first called (a module observer until then).
 
-        Called before the profile starts timing the step: checkpointing's
-        one-time set-up (``warm_up``) happens here, outside the step.
+        Called before the profile starts timing the step, so this observer
+        hears of the model's call before the step's does (``entered``).
         """
         profile = self.profile
         self.learning_now = profile is not None and profile.learning
         self.hot.keep_left = 0  # nothing posted carries across steps
         if profile is not None and torch.is_grad_enabled():
-            if self.auto.recompute and profile.steps:
-                warm_up()
             self.unobserve = _modules.observe(self)
             root = profile.root
             if root is not None:  # NOTE [ Quiet steps ] rule 2
@@ -484,6 +482,10 @@ class _AutoState:
         self.plan = self._plan(module)
         self.hot.keep_left = 0  # the plan decides from here
         if self.plan is not None:
+            if self.plan.recompute and warm_up():
+                # Checkpointing's one-time set-up imports torch._dynamo (a second,
+                # 70 MiB): only a plan that recomputes pays it, and not in its step.
+                profile.set_up_ran()
             self._recompute(self.plan.recompute)
             self._watch(self.plan)
 

@@ -59,10 +59,13 @@
    A step in which the process imported Python modules takes no peak, and
    the next step takes it again: what an import allocates stays for good,
    and is no step's. The first ``torch.utils.checkpoint`` of a process
-   imports ``torch._dynamo``, about 70 MiB: on the bench's ``small`` model
-   with every block recomputed, that step grew by 126-144 MiB against 49-53
-   in the steps after, and the plan's predicted real peak was 2.4x the
-   measured one.
+   imports ``torch._dynamo``, about 70 MiB and a second: on the bench's
+   ``small`` model with every block recomputed, that step grew by 126-144
+   MiB against 49-53 in the steps after, and the plan's predicted real peak
+   was 2.4x the measured one. So ``Auto`` runs checkpointing once at the
+   model's first call of the first step whose plan recomputes (never where
+   no plan does: a run that fits imports nothing), and that step is measured
+   from there (:meth:`Profile.set_up_ran`).
 7. Times come from an injected clock; on CUDA, module and step times are
    taken with events, read once the step's backward has ended.
 8. A quiet step (rule 10 of NOTE [ Session ]) records no site and times no
@@ -621,6 +624,12 @@ class Profile:
             if step.measure and self._needs_peak((paths, moves)):  # as _plan_of names it
                 step.take_peak()
 
+    def set_up_ran(self) -> None:
+        """A one-time set-up ran at the model's first call, before its forward: the step
+        being measured is timed, and its memory and faults taken, from now (rule 6)."""
+        if self._step is not None:
+            self._step.restart()
+
     def peak_steps(self) -> list[StepRecord]:
         """The steps that took the real peak under the plan of the last one (rule 6)."""
         if self.peak is None:
@@ -823,6 +832,15 @@ class _Step:
             release_free_heap()
             self._meter = PeakRss()
         self._meter.start()
+
+    def restart(self) -> None:
+        """Measure from now: what ran since the step began (before any module) is not its."""
+        self._begun = self._timer.mark()
+        self._faults = minor_faults()
+        self._imported = len(sys.modules)
+        if self._meter is not None:
+            self._meter.stop()
+            self._start_meter()
 
     def take_peak(self) -> None:
         """Take the real peak of this step, from here on (before its forward runs): it is cold."""

@@ -6,8 +6,10 @@ import copy
 import dataclasses
 import gc
 import mmap
+import sys
 import threading
 import time
+import types
 import warnings
 from collections import deque
 from collections.abc import Iterator
@@ -314,6 +316,37 @@ def test_auto_recomputes_from_step_two_and_gives_every_module_back() -> None:
     assert second.plan is not None and second.plan.recompute
     assert all("forward" not in vars(m) for m in model.modules())  # restored at exit
     assert list(model.state_dict()) == keys and len(calls) == 2  # hooks still run
+
+
+def test_auto_sets_up_checkpointing_only_for_a_plan_that_recomputes_outside_its_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first checkpoint of a process imports torch._dynamo (a second, 70 MiB).
+    clock = Ticks()
+    set_ups: list[int] = []
+
+    def warm_up() -> float:
+        if set_ups:
+            return 0.0
+        set_ups.append(1)
+        clock.now += 10.0  # a slow set-up
+        sys.modules["tensorstash_test_set_up"] = types.ModuleType("tensorstash_test_set_up")
+        return 10.0
+
+    monkeypatch.setattr("tensorstash.auto.warm_up", warm_up)
+    monkeypatch.delitem(sys.modules, "tensorstash_test_set_up", raising=False)
+    model = fresh()
+    profile = ts.Profile(clock=clock)
+    train(model, 3, ts.Auto(), profile)
+    assert not set_ups  # a run that fits never recomputes: it sets nothing up
+    budget = activation_bytes(model, data()) // 2
+    profile = ts.Profile(clock=clock)
+    sessions = train(model, 3, ts.Auto(device_budget=budget), profile)
+    assert sessions[1].plan is not None and sessions[1].plan.recompute
+    assert set_ups == [1]
+    planned = list(profile.history)[1]  # the step that set up, timed from after it
+    assert planned.recomputed and planned.forward_s + planned.backward_s < 1.0
+    assert planned.peak_bytes is not None  # its import is not the step's memory
 
 
 def test_auto_times_what_backward_spends_recomputing_the_plan() -> None:
