@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import tensorstash as ts
 from tensorstash import _codec
 from tensorstash._buffers import BufferPool
 from tensorstash._layout import Layout, describe, memory, rebuild
-from tensorstash._trim import Trimmer, Watch
+from tensorstash._trim import Trimmer, Watch, resident_bytes
 from tensorstash.policy import Context, Packed, Spillable
 
 
@@ -245,6 +246,31 @@ def test_watch_without_a_release_starts_no_thread() -> None:
     watch = Watch(16 << 20, lambda: True, release=None)
     watch.start()
     assert not watch._thread.is_alive()
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="Linux /proc only")
+def test_resident_bytes_reads_this_process_through_one_descriptor_and_a_forked_childs_own() -> None:
+    psutil = pytest.importorskip("psutil")
+    process = psutil.Process()
+    resident_bytes()
+    descriptors = process.num_fds()
+    for _ in range(100):
+        resident_bytes()
+    assert process.num_fds() == descriptors
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own resident set, 64 MiB above the parent's
+        try:
+            before = resident_bytes()
+            grown = torch.ones(16 << 20)  # 64 MiB, every page touched
+            os.write(write, f"{resident_bytes() - before} {grown.numel()}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    grew = int(os.read(read, 64).split()[0])
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert grew >= 60 << 20  # read through the parent's descriptor, it would not move
 
 
 def _wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
