@@ -12,7 +12,9 @@
    value read back (on the writer and the workers, or on the training thread
    where it does the I/O itself; rule 3 of NOTE [ Spill files ] in disk.py),
    it reads the process's resident set, and once that has grown by
-   ``trim_every`` bytes since the last call (or since the session began) it
+   ``trim_every`` bytes since the last call (or since the session began; for
+   a disk spill after one that wrote at least ``trim_every`` bytes, since
+   that one's last call where the resident set was lower then: rule 11) it
    calls glibc's ``malloc_trim(0)``, which gives the free pages of every
    arena back to the kernel. A step that reuses memory already resident grows
    nothing and never calls it; a step that walks over free memory (glibc
@@ -106,6 +108,25 @@
    ``glibc.malloc.hugetlb=1`` tunable) cut the faults a step by a third for
    every variant alike, so ``Auto`` at half its activation bytes stayed at
    1.07-1.10x checkpointing's step (against 1.06-1.07x without).
+11. A training loop hands nothing back between steps: a step begins with
+   the free memory the last one's backward left resident. Counted from the
+   session's start, each step of a disk spill walked ``trim_every`` above
+   that, and the heap crept up until no step grew: over 20 steps of SGD, each
+   variant alone in a fresh process (``benchmarks/disk_spill.py training``,
+   4 rounds, 2 cores), the most the resident set grew was 0.82 of no stash's
+   on the bench's ``small`` (1.39x its step) and 0.80 on the GPT-2 config of
+   rule 1 (1.83x), against 0.45-0.53 and 0.36-0.48 for one step from a
+   trimmed heap. So a disk spill's growth counts from where the last one
+   handed memory back (:class:`Floor`), if the resident set was lower there:
+   0.72 at 1.56x and 0.61 at 2.07x. Only after a session that wrote at least
+   ``trim_every``: a loop that spills one 16 MiB tensor a step otherwise
+   handed back its own 50-80 MiB of temporaries every step, and its spill
+   ran at 0.33 of raw file I/O against 0.97. ``Auto``'s watch keeps counting
+   from the step's start: from the floor, at half the GPT-2 config's
+   activation bytes, its loop's step took 1.25x as long and held no less.
+   A loop's step also pays what no stash does not: no stash's warm heap
+   faults nothing, so against it the spill's step costs more than against
+   no stash from a trimmed heap (rule 3 of NOTE [ Real memory ]), 1.5x there.
 """
 
 from __future__ import annotations
@@ -187,6 +208,45 @@ def whole_pages(nbytes: int) -> int:
     return -(-nbytes // PAGE_SIZE) * PAGE_SIZE
 
 
+class Floor:
+    """What the process's disk spills left at their last hand-back (rule 2): the resident
+    set after it, and the bytes the latest session wrote so far."""
+
+    def __init__(self) -> None:
+        self.resident: int | None = None
+        self.written = 0
+        self._lock = threading.Lock()
+
+    def begin(self, resident: int, every: int) -> int:
+        """A session begins with ``resident`` bytes resident: where its growth counts from.
+
+        From the floor, where it is lower and the last session wrote at least ``every``
+        bytes; from ``resident`` otherwise. The session's writes count from 0.
+        """
+        with self._lock:
+            floor, written = self.resident, self.written
+            self.written = 0
+        if floor is None or written < every:
+            return resident
+        return min(resident, floor)
+
+    def wrote(self, nbytes: int) -> None:
+        with self._lock:
+            self.written += nbytes
+
+    def handed_back(self, resident: int) -> None:
+        with self._lock:
+            self.resident = resident
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()  # another thread may have held it at the fork
+        self.resident, self.written = None, 0
+
+
+FLOOR = Floor()
+"""The floor of the process's disk spills (rule 2)."""
+
+
 class Trimmer:
     """Returns free heap memory to the OS once the resident set grew by ``every`` bytes (rule 2).
 
@@ -197,6 +257,8 @@ class Trimmer:
         resident: reads the resident set in bytes.
         counted: told, after each call, how many bytes the resident set fell
             by and how many seconds the call took (rule 7): ``StashStats.returned``.
+        floor: shared by the trimmers of the sessions of one kind (a disk
+            spill's): where growth counts from (rule 2).
 
     Example:
         >>> trimmer = Trimmer(16 << 20)
@@ -209,22 +271,30 @@ class Trimmer:
         release: Release | None = _DEFAULT,
         resident: Callable[[], int] = resident_bytes,
         counted: Callable[[int, float], object] | None = None,
+        floor: Floor | None = None,
     ) -> None:
         self.every = None if release is None else every
         self.release = release
         self.resident = resident
         self.counted = counted
+        self.floor = floor
         self.calls = 0
-        self._base = resident() if self.every is not None else 0
+        self._base = 0
+        if self.every is not None:
+            now = resident()
+            self._base = now if floor is None else floor.begin(now, self.every)
         self._lock = threading.Lock()
 
-    def moved(self) -> None:
-        """A value was spilled or read back: return memory if the resident set grew enough.
+    def moved(self, written: int = 0) -> None:
+        """A value was spilled (``written`` bytes) or read back: return memory if the
+        resident set grew enough.
 
         Rule 2 says who calls it.
         """
         if self.every is None:
             return
+        if written and self.floor is not None:
+            self.floor.wrote(written)
         with self._lock:
             before = self.resident()
             if before - self._base < self.every:
@@ -235,6 +305,8 @@ class Trimmer:
                 self.release()
             took = time.perf_counter() - start
             self._base = self.resident()
+            if self.floor is not None:
+                self.floor.handed_back(self._base)
             if self.counted is not None:
                 self.counted(max(before - self._base, 0), took)
 
@@ -288,3 +360,7 @@ class Watch:
                 return
             trimmer.freed()
             trimmer.moved()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=FLOOR._forget)

@@ -76,7 +76,8 @@
 7. Bytes a spill frees must leave the process: once the resident set grew by
    ``trim_every`` bytes, whoever wrote or read the last value (rule 3) hands
    the allocator's free memory back to the OS (NOTE [ Returning memory ] in
-   _trim.py). Read buffers are the stash's own and go back to the pool, or
+   _trim.py; in a training loop growth counts from where the last spill step
+   handed memory back, rule 11 there). Read buffers are the stash's own and go back to the pool, or
    the OS, when their tensor dies.
 8. The private directory is removed at exit (atexit, or multiprocessing's exit
    for its children); directories left by dead processes of the same user are
@@ -116,7 +117,7 @@ from tensorstash._spilldir import (
     spill_directory,
     warn_if_ram_backed,
 )
-from tensorstash._trim import PAGE_SIZE, Trimmer, whole_pages
+from tensorstash._trim import FLOOR, PAGE_SIZE, Trimmer, whole_pages
 from tensorstash.policy import (
     Context,
     Held,
@@ -481,10 +482,11 @@ class DiskSpill:
         max_disk_bytes: the most bytes a session's files may hold on disk; past
             it, tensors stay in memory (``stats.fallbacks["disk cap"]``).
             None: no cap.
-        trim_every: once the process's resident set grew by this many bytes,
-            hand the memory the allocator keeps free back to the OS (glibc's
-            ``malloc_trim``; NOTE [ Returning memory ] in _trim.py). None:
-            never.
+        trim_every: once the process's resident set grew by this many bytes
+            (since the session began, or since the last spill step handed
+            memory back, where that is lower), hand the memory the allocator
+            keeps free back to the OS (glibc's ``malloc_trim``; NOTE
+            [ Returning memory ] in _trim.py). None: never.
         background: write and read ahead on background threads. None
             (default): where the process has a core beyond torch's own
             threads, and always for a value not yet in CPU memory (a device
@@ -574,7 +576,8 @@ class DiskSpill:
 
     def _trimmer(self, ctx: Context) -> Trimmer:
         trimmer: Trimmer = ctx.resource(
-            "disk-trim", lambda: Trimmer(self.trim_every, counted=ctx.stats.returned)
+            "disk-trim",
+            lambda: Trimmer(self.trim_every, counted=ctx.stats.returned, floor=FLOOR),
         )
         return trimmer
 
@@ -714,7 +717,7 @@ class _Job:
         written = self._store(item)
         del item  # the bytes written are free once forward lets go of them too
         if written is not None and written.kept is None:
-            self.trimmer.moved()  # rule 7
+            self.trimmer.moved(sum(written.sizes))  # rule 7
         return written
 
     def _store(self, item: Any) -> _Written | None:

@@ -59,6 +59,23 @@ def test_disk_spill_counts_the_memory_it_hands_back(tmp_path: Path) -> None:
     assert untrimmed.stats.returns == 0
 
 
+@pytest.mark.skipif(_trim.malloc_trim() is None, reason="no malloc_trim here")
+def test_disk_spill_steps_count_their_growth_from_the_last_spill_steps_hand_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    floor = _trim.Floor()
+    monkeypatch.setattr("tensorstash.disk.FLOOR", floor)
+    x = torch.randn(1 << 20, requires_grad=True)
+    with ts.stash(ts.DiskSpill(tmp_path, trim_every=1), min_bytes=0):
+        y = (x * 2).sin()  # writes one 4 MiB tensor
+    assert floor.written == 4 << 20
+    y.sum().backward()
+    with ts.stash(ts.DiskSpill(tmp_path, trim_every=1), min_bytes=0):
+        y = (x * 2).sin()
+    assert floor.written == 4 << 20  # this step's writes
+    y.sum().backward()
+
+
 def test_disk_spill_files_are_private_and_nameless(tmp_path: Path) -> None:
     _x, y, _session = spilled_step(tmp_path)
     directory = spill_dirs(tmp_path)[-1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import select
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import tensorstash as ts
 from tensorstash import _codec
 from tensorstash._buffers import BufferPool
 from tensorstash._layout import Layout, describe, memory, rebuild
-from tensorstash._trim import Trimmer, Watch, resident_bytes
+from tensorstash._trim import Floor, Trimmer, Watch, resident_bytes
 from tensorstash.policy import Context, Packed, Spillable
 
 
@@ -214,6 +215,40 @@ def test_trimmer_counts_each_call_and_the_bytes_the_resident_set_fell_by() -> No
     assert (total.returns, total.returned_bytes) == (4, 32 << 20)
 
 
+def test_trimmer_counts_a_spill_steps_growth_from_where_the_last_spill_step_handed_back() -> None:
+    # In training a step begins with the free memory the last one left resident.
+    memory, floor = FakeMemory(), Floor()
+    first = Trimmer(16 << 20, memory.release, memory.resident, floor=floor)
+    first.moved(20 << 20)  # a spill step: 20 MiB written
+    memory.bytes += 16 << 20
+    first.moved()
+    assert memory.released == 1 and floor.resident == 108 << 20
+    memory.bytes += 10 << 20  # left resident when the next step begins
+    second = Trimmer(16 << 20, memory.release, memory.resident, floor=floor)
+    memory.bytes += 6 << 20  # 16 MiB above the floor, 6 above this step's start
+    second.moved()
+    assert memory.released == 2
+    # After a step that wrote less than trim_every, growth counts from the step's start:
+    # the memory it left is not a spill's to hand back.
+    memory.bytes += 10 << 20
+    third = Trimmer(16 << 20, memory.release, memory.resident, floor=floor)
+    memory.bytes += 6 << 20
+    third.moved()
+    assert memory.released == 2
+    without = Trimmer(16 << 20, memory.release, memory.resident)  # no floor: its own start
+    memory.bytes += 15 << 20
+    without.moved()
+    assert memory.released == 2
+
+
+def test_floor_starts_empty_in_a_forked_child() -> None:
+    floor = Floor()
+    floor.handed_back(1 << 20)
+    floor.wrote(64 << 20)
+    floor._forget()
+    assert floor.begin(8 << 20, 1) == 8 << 20
+
+
 def test_trimmer_without_a_release_never_reads_memory() -> None:
     def resident() -> int:
         raise AssertionError("read the resident set")
@@ -259,15 +294,16 @@ def test_resident_bytes_reads_this_process_through_one_descriptor_and_a_forked_c
     assert process.num_fds() == descriptors
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: its own resident set, 64 MiB above the parent's
+    if pid == 0:  # the child: its own resident set; no torch here (its threads did not fork)
         try:
             before = resident_bytes()
-            grown = torch.ones(16 << 20)  # 64 MiB, every page touched
-            os.write(write, f"{resident_bytes() - before} {grown.numel()}".encode())
+            grown = b"\x01" * (64 << 20)  # every page written
+            os.write(write, f"{resident_bytes() - before} {len(grown)}".encode())
         finally:
             os._exit(0)
     os.close(write)
-    grew = int(os.read(read, 64).split()[0])
+    ready, _, _ = select.select([read], [], [], 60)
+    grew = int(os.read(read, 64).split()[0]) if ready else -1
     os.close(read)
     os.waitpid(pid, 0)
     assert grew >= 60 << 20  # read through the parent's descriptor, it would not move
