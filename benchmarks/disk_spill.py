@@ -18,25 +18,19 @@ within one round (the machine's speed drifts between rounds, not within one).
   bytes the step faulted in (rule 7 of NOTE [ Real memory ]): memory a spill
   hands back to the OS is faulted in again when the heap reuses it.
   ``disk-untrimmed`` (``trim_every=None``) shows that trade.
-- ``training``: the same models trained as a loop trains them, each variant in
-  a process of its own: ``--steps`` steps back to back (SGD, no heap handed
-  back between them), from a heap handed back once at the start. Reports the
-  most the resident set grew over the whole run (``VmHWM``) and the median
-  step, both against no stash's run of the same round: in a loop a step
-  begins with the free memory the last one left resident (NOTE [ Returning
-  memory ] rule 2).
 
-Run: python benchmarks/disk_spill.py [throughput|memory|training|all] [--rounds 8]
-     [--directory DIR] [--models small,gpt2] [--policies disk,lz4+disk] [--steps 20]
+In a training loop a step begins with the free memory the last one left
+resident: ``benchmarks/training_loop.py`` measures that.
+
+Run: python benchmarks/disk_spill.py [throughput|memory|all] [--rounds 8]
+     [--directory DIR] [--models small,gpt2] [--policies disk,lz4+disk]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -191,79 +185,13 @@ def memory(root: Path, rounds: int, models: list[str], policies: list[str]) -> N
             )
 
 
-# -- training -----------------------------------------------------------------------------
-
-
-def train_alone(name: str, variant: str, steps: int, root: Path) -> dict[str, Any]:
-    """``steps`` training steps of model ``name`` under ``variant`` in this process: the
-    most the resident set grew over them, and each step's seconds."""
-    model, loss_of = _workload(name)
-    make: Callable[[], Any] = (
-        (lambda: None) if variant == "none" else (lambda: POLICIES[variant](root))
-    )
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    seconds = []
-    return_free_memory()
-    with PeakRss() as meter:
-        for _ in range(steps):
-            seconds.append(_step(model, loss_of, make()))
-            optimizer.step()
-    return {"peak_bytes": meter.delta_bytes, "seconds": seconds}
-
-
-def training(root: Path, rounds: int, models: list[str], policies: list[str], steps: int) -> None:
-    """Each variant trained alone in a fresh process, round after round (order alternating)."""
-    variants = ["none", *policies]
-    for name in models:
-        peaks: dict[str, list[int]] = {v: [] for v in variants}
-        times: dict[str, list[float]] = {v: [] for v in variants}
-        for index in range(rounds):
-            order = variants if index % 2 == 0 else list(reversed(variants))
-            for variant in order:
-                command = [sys.executable, __file__, "_alone", name, variant, str(steps)]
-                out = subprocess.run(
-                    [*command, "--directory", str(root)],
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                ).stdout
-                found = json.loads(out.strip().splitlines()[-1])
-                peaks[variant].append(found["peak_bytes"])
-                times[variant].append(statistics.median(found["seconds"][2:]))
-        print(
-            f"{name}: {rounds} rounds of {steps} steps, each variant in its own process; "
-            "medians of ratios against none of the same round"
-        )
-        for variant in variants:
-            over = statistics.median(
-                t / base for t, base in zip(times[variant], times["none"], strict=True)
-            )
-            held = statistics.median(
-                p / base for p, base in zip(peaks[variant], peaks["none"], strict=True)
-            )
-            print(
-                f"  {variant:14s} step {statistics.median(times[variant]) * 1e3:6.0f} ms "
-                f"x{over:.2f}  most RSS grew over the run "
-                f"{statistics.median(peaks[variant]) / MiB:6.1f} MiB ({held:.2f} of none's)"
-            )
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    if argv is None and sys.argv[1:2] == ["_alone"]:  # one run of training(), in its process
-        _, _, name, variant, steps, _, directory = sys.argv
-        torch.set_num_threads(min(2, os.cpu_count() or 1))
-        warnings.filterwarnings("ignore")
-        print(json.dumps(train_alone(name, variant, int(steps), Path(directory))))
-        return
-    parser.add_argument(
-        "what", nargs="?", default="all", choices=["throughput", "memory", "training", "all"]
-    )
+    parser.add_argument("what", nargs="?", default="all", choices=["throughput", "memory", "all"])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--directory", default=None, help="parent of the spill directory")
     parser.add_argument("--models", default="small,gpt2")
     parser.add_argument("--policies", default="disk")
-    parser.add_argument("--steps", type=int, default=20, help="steps of each training run")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -273,9 +201,6 @@ def main(argv: list[str] | None = None) -> None:
             throughput(root, args.rounds)
         if args.what in ("memory", "all"):
             memory(root, args.rounds, args.models.split(","), args.policies.split(","))
-        if args.what in ("training", "all"):
-            models, policies = args.models.split(","), args.policies.split(",")
-            training(root, args.rounds, models, policies, args.steps)
 
 
 if __name__ == "__main__":

@@ -111,22 +111,27 @@
 11. A training loop hands nothing back between steps: a step begins with
    the free memory the last one's backward left resident. Counted from the
    session's start, each step of a disk spill walked ``trim_every`` above
-   that, and the heap crept up until no step grew: over 20 steps of SGD, each
-   variant alone in a fresh process (``benchmarks/disk_spill.py training``,
-   4 rounds, 2 cores), the most the resident set grew was 0.82 of no stash's
-   on the bench's ``small`` (1.39x its step) and 0.80 on the GPT-2 config of
-   rule 1 (1.83x), against 0.45-0.53 and 0.36-0.48 for one step from a
-   trimmed heap. So a disk spill's growth counts from where the last one
-   handed memory back (:class:`Floor`), if the resident set was lower there:
-   0.72 at 1.56x and 0.61 at 2.07x. Only after a session that wrote at least
-   ``trim_every``: a loop that spills one 16 MiB tensor a step otherwise
-   handed back its own 50-80 MiB of temporaries every step, and its spill
-   ran at 0.33 of raw file I/O against 0.97. ``Auto``'s watch keeps counting
-   from the step's start: from the floor, at half the GPT-2 config's
-   activation bytes, its loop's step took 1.25x as long and held no less.
-   A loop's step also pays what no stash does not: no stash's warm heap
-   faults nothing, so against it the spill's step costs more than against
-   no stash from a trimmed heap (rule 3 of NOTE [ Real memory ]), 1.5x there.
+   that, and the heap crept up until no step grew: over 20 SGD steps, each
+   variant alone in a fresh process (4 rounds, 2 cores), the most the
+   resident set grew was 0.82 of no stash's on the bench's ``small`` (1.39x
+   its step) and 0.80 on the GPT-2 config of rule 1 (1.83x), against
+   0.45-0.53 and 0.36-0.48 for one step from a trimmed heap. So a disk
+   spill's growth counts from where the last one handed memory back
+   (:class:`Floor`), if the resident set was lower there: 0.66-0.72 at
+   1.53-1.56x and 0.56-0.61 at 1.95-2.07x (``benchmarks/training_loop.py``;
+   untrimmed 0.83 at 1.35x and 0.89-0.93 at 1.41-1.45x; checkpointing every
+   block 0.71 at 1.37x and 0.81-0.85 at 1.24-1.40x). Only after a session
+   that wrote at least ``trim_every``: a loop that spills one 16 MiB tensor a
+   step otherwise handed back its own 50-80 MiB of temporaries every step,
+   and its spill ran at 0.33 of raw file I/O against 0.97. ``Auto``'s watch
+   counts from the step's start: in such a loop its first step, which keeps
+   everything, sets the heap's size, and no later step grows by
+   ``trim_every``, so at half the GPT-2 config's activation bytes the loop
+   held 1.00 of no stash's at 1.12x its step (``small``: 0.92 at 1.22x).
+   Counted from the floor, the watch held 0.80-0.83 at 1.43x, where
+   checkpointing held 0.85 at 1.24x: it was left as it is. A loop's plain
+   step also faults nothing, so against it every variant costs more than
+   against no stash from a trimmed heap (rule 3 of NOTE [ Real memory ]).
 """
 
 from __future__ import annotations
