@@ -200,10 +200,6 @@ def _forget_statm() -> None:
         _statm = -1
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_statm)
-
-
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 """The size of a memory page in bytes."""
 
@@ -267,7 +263,7 @@ class Trimmer:
 
     Example:
         >>> trimmer = Trimmer(16 << 20)
-        >>> trimmer.moved()  # on the writer thread, after a file was written
+        >>> trimmer.moved(nbytes)  # on the writer thread, after nbytes were written
     """
 
     def __init__(
@@ -367,5 +363,11 @@ class Watch:
             trimmer.moved()
 
 
+def _forget_in_child() -> None:
+    """A forked child reads its own resident set and has handed nothing back yet."""
+    _forget_statm()
+    FLOOR._forget()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=FLOOR._forget)
+    os.register_at_fork(after_in_child=_forget_in_child)

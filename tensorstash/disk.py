@@ -77,8 +77,8 @@
    ``trim_every`` bytes, whoever wrote or read the last value (rule 3) hands
    the allocator's free memory back to the OS (NOTE [ Returning memory ] in
    _trim.py; in a training loop growth counts from where the last spill step
-   handed memory back, rule 11 there). Read buffers are the stash's own and go back to the pool, or
-   the OS, when their tensor dies.
+   handed memory back, rule 11 there). Read buffers are the stash's own and
+   go back to the pool, or the OS, when their tensor dies.
 8. The private directory is removed at exit (atexit, or multiprocessing's exit
    for its children); directories left by dead processes of the same user are
    removed when a new one is made. A forked child makes its own directory and
