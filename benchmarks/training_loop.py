@@ -32,7 +32,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -43,7 +42,7 @@ import torch
 
 import tensorstash as ts
 from tensorstash._memory import current_rss
-from tensorstash.bench import builtin_workload, return_free_memory
+from tensorstash.bench import PeakRss, builtin_workload, return_free_memory
 from tensorstash.bench.measure import StepRunner, resolve_dtype
 from tensorstash.bench.variants import variant_context
 from tensorstash.bench.workloads import checked_loss
@@ -83,40 +82,22 @@ def train_alone(model: str, dtype: str, name: str, steps: int, directory: Path) 
     tempfile.tempdir = None
     net.zero_grad(set_to_none=True)
     return_free_memory()
-    meter = _Sampler()
+    base = current_rss()
     for _ in range(steps):
-        meter.most = 0
-        start = time.perf_counter()
-        net.zero_grad(set_to_none=True)
-        with _variant(name, runner, directory):
-            with torch.autocast("cpu", dtype=runner.dtype, enabled=autocast):
-                loss = checked_loss(net(*runner.batch), runner.workload)
-            loss.backward()
-        optimizer.step()
-        del loss
-        seconds.append(time.perf_counter() - start)
-        peaks.append(max(meter.most, current_rss()) - meter.base)
-    meter.stop()
+        begun = current_rss()
+        # Sampled: an Auto profile resets the high-water mark for its own steps.
+        with PeakRss(0.0005, resettable=False) as meter:
+            start = time.perf_counter()
+            net.zero_grad(set_to_none=True)
+            with _variant(name, runner, directory):
+                with torch.autocast("cpu", dtype=runner.dtype, enabled=autocast):
+                    loss = checked_loss(net(*runner.batch), runner.workload)
+                loss.backward()
+            optimizer.step()
+            del loss
+            seconds.append(time.perf_counter() - start)
+        peaks.append(begun + meter.delta_bytes - base)
     return {"peaks": peaks, "seconds": seconds}
-
-
-class _Sampler:
-    """The resident set sampled every half millisecond; ``most`` since it was last zeroed."""
-
-    def __init__(self) -> None:
-        self.base = current_rss()
-        self.most = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.0005):
-            self.most = max(self.most, current_rss())
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def run(args: argparse.Namespace, directory: Path) -> dict[str, dict[str, list[float]]]:
