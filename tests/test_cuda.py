@@ -135,6 +135,27 @@ def test_cuda_cpu_offload_halves_peak_memory_with_equal_gradients() -> None:
     assert offloaded <= plain * 0.5, f"peak {offloaded} bytes under cpu vs {plain} plain"
 
 
+def test_cuda_auto_predicts_the_real_peak_of_a_plan_that_copies_to_the_host() -> None:
+    # The bytes copied to the host are not on the device: counted as held there,
+    # they made the predicted real peak too low by the bytes copied.
+    torch.manual_seed(0)
+    model = Wide(depth=16).cuda()
+    x = torch.randn(8192, 1024, device="cuda")
+    peak_of_step(model, x)
+    with ts.stash(ts.Keep()) as probe:
+        loss = model(x).square().mean()
+    loss.backward()
+    activation = probe.stats.to_dict()["tiers"]["kept"]["peak_bytes"]
+    profile, auto = ts.Profile(), ts.Auto(device_budget=activation // 2, recompute=False)
+    for _ in range(6):
+        session = ts.stash(auto, profile=profile)
+        peak, _ = peak_of_step(model, x, session)
+    plan = session.plan
+    assert plan is not None and "host" in plan.tiers.values(), plan
+    assert plan.predicted_peak_bytes is not None
+    assert abs(plan.predicted_peak_bytes / peak - 1) <= 0.15, (plan.predicted_peak_bytes, peak)
+
+
 def test_cuda_verify_catches_a_corrupted_host_copy() -> None:
     from tensorstash.cpu import OnHost
 

@@ -446,3 +446,18 @@ def test_profile_without_memory_measures_no_step_for_a_new_plans_peak() -> None:
     assert profile.history[-1].recomputed or profile.history[-1].moved  # a plan ran
     assert len(profile.module_history) == 3  # the first three steps only
     assert all(rec.peak_bytes is None and not rec.cold for rec in profile.history)
+
+
+def test_held_bytes_count_the_host_tier_only_where_the_host_is_the_device() -> None:
+    # A step's real peak on CUDA holds what stayed on the device; on the CPU the
+    # host tier's bytes (compressed, or waiting for the disk writer) are in its RAM too.
+    from tensorstash.profile import device_held
+    from tensorstash.stats import StashStats
+
+    stats = StashStats()
+    stats.tiers["kept"].live_bytes = 3 << 20
+    stats.tiers["host"].live_bytes = 5 << 20
+    stats.tiers["disk"].live_bytes = 7 << 20
+    stats.hot.live = 1 << 20
+    assert device_held(stats, torch.device("cpu")) == 9 << 20
+    assert device_held(stats, torch.device("cuda", 0)) == 4 << 20
