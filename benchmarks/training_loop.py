@@ -42,6 +42,7 @@ import torch
 
 import tensorstash as ts
 from tensorstash._memory import current_rss
+from tensorstash._trim import ALLOCATOR
 from tensorstash.bench import PeakRss, builtin_workload, return_free_memory
 from tensorstash.bench.measure import StepRunner, resolve_dtype
 from tensorstash.bench.variants import variant_context
@@ -117,7 +118,8 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, dict[str, list[f
             steady[name].append(max(found["peaks"][LEARNING:] or found["peaks"]))
             steps[name].append(statistics.median(found["seconds"][LEARNING:] or found["seconds"]))
     print(
-        f"{args.model} {args.dtype}, {args.threads} thread(s): {args.rounds} round(s) of "
+        f"{args.model} {args.dtype}, {args.threads} thread(s), allocator {ALLOCATOR.name}: "
+        f"{args.rounds} round(s) of "
         f"{args.steps} steps, each variant alone in its own process; medians of ratios "
         "against none of the same round"
     )

@@ -19,7 +19,7 @@ import tensorstash as ts
 from tensorstash import _codec
 from tensorstash._buffers import BufferPool
 from tensorstash._layout import Layout, describe, memory, rebuild
-from tensorstash._trim import Floor, Trimmer, Watch, resident_bytes
+from tensorstash._trim import Floor, Trimmer, Watch, find_allocator, resident_bytes
 from tensorstash.policy import Context, Packed, Spillable
 
 
@@ -177,6 +177,76 @@ class FakeMemory:
     def release(self) -> None:
         self.released += 1
         self.bytes -= 8 << 20
+
+
+class FakeLibc:
+    """The symbols an allocator exports, and a count of the bytes ``malloc`` gave out."""
+
+    def __init__(self, *, jemalloc: str = "", tcmalloc: str = "", glibc: bool = True) -> None:
+        # jemalloc / tcmalloc: "" (not loaded), "loaded" (its symbols only), "serving" (malloc too)
+        self.allocated = 0
+        self.calls: list[Any] = []
+        self.serving = (
+            "jemalloc" if jemalloc == "serving" else "tcmalloc" if tcmalloc == "serving" else ""
+        )
+        self.malloc = self._fn(self._malloc)
+        self.free = self._fn(lambda block: None)
+        if jemalloc:
+            self.mallctl = self._fn(self._mallctl)
+        if tcmalloc:
+            self.MallocExtension_GetNumericProperty = self._fn(self._property)
+            self.MallocExtension_ReleaseFreeMemory = self._fn(lambda: self.calls.append("release"))
+        if glibc:
+            self.malloc_trim = self._fn(lambda pad: self.calls.append(("malloc_trim", pad)))
+
+    @staticmethod
+    def _fn(call: Callable[..., Any]) -> Any:
+        class Fn:  # a ctypes function: argtypes and restype may be set
+            def __call__(self, *args: Any) -> Any:
+                return call(*args)
+
+        return Fn()
+
+    def _malloc(self, size: int) -> int:
+        if self.serving:
+            self.allocated += size
+        return 4096
+
+    def _mallctl(self, name: bytes, old: Any, size: Any, new: Any, new_size: int) -> int:
+        if name == b"thread.allocated":
+            old._obj.value = self.allocated if self.serving == "jemalloc" else 0
+        else:
+            self.calls.append(name)
+        return 0
+
+    def _property(self, name: bytes, value: Any) -> int:
+        value._obj.value = self.allocated if self.serving == "tcmalloc" else 0
+        return 1
+
+
+@pytest.mark.parametrize(
+    ("libc", "name", "call"),
+    [
+        (FakeLibc(), "glibc", ("malloc_trim", 0)),
+        (FakeLibc(jemalloc="serving"), "jemalloc", b"arena.4096.purge"),
+        (FakeLibc(jemalloc="loaded"), "glibc", ("malloc_trim", 0)),  # another library's copy
+        (FakeLibc(tcmalloc="serving"), "tcmalloc", "release"),
+        (FakeLibc(tcmalloc="loaded"), "glibc", ("malloc_trim", 0)),
+        (FakeLibc(glibc=False), "other", None),
+    ],
+    ids=["glibc", "jemalloc", "jemalloc-not-serving", "tcmalloc", "tcmalloc-not-serving", "none"],
+)
+def test_the_allocator_serving_malloc_is_the_one_that_hands_memory_back(
+    libc: FakeLibc, name: str, call: Any
+) -> None:
+    found = find_allocator(libc)
+    assert found.name == name
+    if call is None:
+        assert found.release is None
+        return
+    assert found.release is not None
+    found.release()
+    assert libc.calls == [call]
 
 
 def test_trimmer_releases_once_the_resident_set_grew() -> None:

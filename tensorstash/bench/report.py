@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from tensorstash._trim import ALLOCATOR
 from tensorstash.bench.rows import Row, pareto_front
 from tensorstash.bench.variants import is_relative
 from tensorstash.stats import TIERS, human_bytes
@@ -167,12 +168,14 @@ def format_title(
     threads: int,
     warmup: int,
 ) -> str:
-    """The line above a table: the model, the machine, the dtype, the activations, the rounds."""
+    """The line above a table: the model, the machine, the dtype, the allocator serving
+    ``malloc``, the activations, the rounds."""
     mode = "bfloat16 autocast" if dtype == "bfloat16" else dtype
     measured = [row for row in rows if row.skipped is None]
     rounds = len(measured[0].step_times) if measured else 0
     activations = next((row.activation_bytes for row in rows if row.activation_bytes), None)
     parts = [description, f"{torch.device(device).type} {mode}", threads_text(threads)]
+    parts.append(f"allocator {ALLOCATOR.name}")  # what the real peaks depend on (README)
     if activations is not None:
         parts.append(f"activations {human_bytes(activations)} per step")
     parts.append(f"medians of {rounds} timed round(s) after {warmup} warm-up round(s)")
