@@ -122,10 +122,15 @@ def _legend(device: torch.device) -> list[str]:
     else:
         real = "real peak +: growth of the resident set over a step (VmHWM), from a trimmed heap:"
         start = "    all the process held, bytes waiting for the disk writer included"
+        if ALLOCATOR.name == "glibc":
+            start += (
+                ",\n    and the free memory glibc's malloc walks over and keeps (jemalloc "
+                "keeps less: README, The allocator)"
+            )
     return [
         "",
         real,
-        start,
+        *start.split("\n"),
         "vs none, overhead: median over the timed rounds of the ratio to none in the same round",
         "step: median of the timed steps, forward + backward (variants interleaved)",
         "predicted step / peak: the planner's prediction for the step (session.plan); in",
