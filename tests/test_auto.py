@@ -94,6 +94,8 @@ def test_auto_keeps_the_tensors_saved_last_for_backward() -> None:
     assert all("saved last" in row["reason"] for row in rows[4:])
     stats = session.stats.to_dict()["tiers"]
     assert stats["disk"]["tensors"] == 1 and stats["host"]["tensors"] == 0
+    # Written as it is: lz4 before the disk cost the step more than it saved.
+    assert stats["disk"]["stored_bytes"] == stats["disk"]["bytes"] == 2 * MiB
     assert stats["kept"]["peak_bytes"] <= budget + 2 * MiB
     assert all(torch.equal(a, b) for a, b in zip(plain(model), grads, strict=True))
 
@@ -227,7 +229,7 @@ def test_decision_log_names_modules_after_an_interrupted_forward() -> None:
     [
         (64 << 30, ts.CpuOffload(), "device budget reached"),
         (3 << 30, ts.Chain(ts.CpuOffload(), ts.Lz4()), "host memory tight"),
-        (1 << 30, ts.Chain(ts.CpuOffload(), ts.Lz4(), ts.DiskSpill()), "host memory low"),
+        (1 << 30, ts.Chain(ts.CpuOffload(), ts.DiskSpill()), "host memory low"),
     ],
     ids=["plain-copy", "compressed", "spilled"],
 )
