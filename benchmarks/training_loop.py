@@ -20,6 +20,9 @@ Variants: any ``tensorstash bench`` policy name (``none``, ``checkpoint``,
 Run: python benchmarks/training_loop.py [--model small] [--dtype float32]
      [--policies none,checkpoint,auto:50%,disk] [--steps 20] [--rounds 4]
      [--directory DIR]
+
+The processes inherit the environment: with ``LD_PRELOAD`` naming jemalloc they
+train under it (the title names the allocator; README, "The allocator").
 """
 
 from __future__ import annotations
