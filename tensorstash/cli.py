@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +23,7 @@ import torch
 
 from tensorstash import bench
 from tensorstash.bench import plot as _plot
+from tensorstash.bench.loop import format_loop_table, loop_rows, run_loops, train_alone
 from tensorstash.bench.planning import make_plan_run
 
 
@@ -172,6 +175,17 @@ def build_parser() -> argparse.ArgumentParser:
         "history and write DIR/<policy>.pickle, for https://pytorch.org/memory_viz",
     )
     run.add_argument("--seed", type=int, default=0, help="seeds weights, batch and dropout")
+    run.add_argument(
+        "--loop",
+        type=_positive_int,
+        default=None,
+        metavar="STEPS",
+        help="CPU: train each policy alone in a fresh process for STEPS SGD steps back to "
+        "back, as a training loop runs them, and report the most the resident set grew "
+        "over the loop (single steps each begin from memory handed back to the OS; a "
+        "loop's do not); --steps rounds (default 3)",
+    )
+    run.add_argument("--loop-alone", default=None, help=argparse.SUPPRESS)  # a child's run
     run.set_defaults(subparser=run, handler=_bench)
     _add_plan(commands)
     return parser
@@ -330,6 +344,8 @@ def _bench(args: argparse.Namespace) -> int:
         args.steps = 8 if args.sweep else 3
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.loop is not None:
+        return _bench_loop(args)
     try:
         workload, policies = _workload(args)
     except (ValueError, _plot.PlotUnavailable) as error:
@@ -375,6 +391,68 @@ def _bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _bench_loop(args: argparse.Namespace) -> int:
+    """``--loop``: each policy trained alone in a fresh process (NOTE [ Training loops ])."""
+    dtype = args.dtype or "float32"
+    if args.loop_alone is not None:  # a child: one run, printed as JSON
+        workload = (
+            bench.builtin_workload(args.model, args.seed)
+            if args.model_script is None
+            else bench.script_workload(args.model_script, args.seed)
+        )
+        runner = bench.StepRunner(workload, _HOST, bench.resolve_dtype(dtype), args.seed)
+        print(json.dumps(train_alone(runner, args.loop_alone, args.loop)))
+        return 0
+    unsupported = {
+        "--sweep": args.sweep,
+        "--plot": args.plot is not None,
+        "--memory-snapshot": args.memory_snapshot is not None,
+        "--twins": args.twins,
+        "--device cuda": args.device != "cpu",
+    }
+    named = [flag for flag, given in unsupported.items() if given]
+    if named:
+        args.subparser.error(
+            f"--loop measures a CPU training loop's resident memory; leave out {', '.join(named)}"
+        )
+    try:
+        workload, policies = _workload(args)
+    except ValueError as error:
+        args.subparser.error(str(error).removeprefix("tensorstash bench: "))
+    names = [bench.BASELINE, *(p for p in policies if p != bench.BASELINE)]
+    peers = [name for name in names if name in bench.OPTIONAL_PEERS]
+    if peers:
+        print(f"tensorstash bench: skipping {', '.join(peers)}: needs CUDA", file=sys.stderr)
+        names = [name for name in names if name not in peers]
+    model = ["--model", args.model] if args.model_script is None else [
+        "--model-script", args.model_script,
+    ]  # fmt: skip
+
+    def command(name: str) -> list[str]:
+        return [
+            sys.executable, "-m", "tensorstash", "bench", "--loop-alone", name,
+            "--loop", str(args.loop), "--dtype", dtype, "--seed", str(args.seed),
+            "--threads", str(torch.get_num_threads()), *model,
+        ]  # fmt: skip
+
+    with tempfile.TemporaryDirectory(prefix="tensorstash-loop-") as directory:
+        env = {**os.environ, "TMPDIR": directory}  # where the children's disk spills go
+        try:
+            runs = run_loops(names, args.steps, command, env)
+        except RuntimeError as error:
+            print(str(error), file=sys.stderr)
+            return 1
+    rows = loop_rows(runs)
+    print(format_loop_table(rows, workload.description, dtype, args.loop, args.steps))
+    if args.json is not None:
+        args.json.write_text(json.dumps([row.to_dict() for row in rows], indent=2) + "\n")
+        print(f"wrote {len(rows)} rows to {args.json}", file=sys.stderr)
+    return 0
+
+
+_HOST = torch.device("cpu")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

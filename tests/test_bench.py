@@ -528,6 +528,46 @@ def test_bench_model_script_runs_the_users_model(script: Path, tmp_path: Path) -
     assert data["auto:50%"]["budget_bytes"] == data["none"]["activation_bytes"] // 2
 
 
+def test_bench_loop_trains_each_policy_of_the_users_model_alone(
+    script: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "loop.json"
+    argv = ["bench", "--model-script", f"{script}:make", "--loop", "3", "--steps", "1"]
+    argv += ["--policies", "disk,checkpoint", "--threads", "1", "--json", str(out)]
+    assert main(argv) == 0
+    rows = {row["policy"]: row for row in json.loads(out.read_text())}
+    assert list(rows) == ["none", "disk", "checkpoint"]
+    assert rows["none"]["peak_ratio"] == rows["none"]["step_ratio"] == 1.0
+    assert all(row["peak_bytes"] >= row["steady_bytes"] > 0 for row in rows.values())
+    text = capsys.readouterr().out
+    assert "1 round(s) of a 3-step SGD loop, each variant alone in a fresh process" in text
+    assert f"allocator {bench.report.ALLOCATOR.name}" in text
+
+
+@pytest.mark.parametrize("flag", [["--sweep"], ["--twins"], ["--device", "cuda"]])
+def test_bench_loop_with_what_a_loop_does_not_measure_is_a_usage_error(
+    flag: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --device cuda parses
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--model", "tiny", "--loop", "3", *flag])
+    assert exit_info.value.code == 2
+    assert f"leave out {' '.join(flag)}" in capsys.readouterr().err
+
+
+def test_bench_loop_names_the_policy_whose_run_failed() -> None:
+    from tensorstash.bench.loop import run_loops
+
+    def command(name: str) -> list[str]:
+        if name == "disk":
+            return [sys.executable, "-c", "import sys; sys.exit('no room')"]
+        run = json.dumps({"peaks": [1], "seconds": [0.1]})
+        return [sys.executable, "-c", f"print({run!r})"]
+
+    with pytest.raises(RuntimeError, match=r"the run of 'disk' failed \(exit status 1\):\nno room"):
+        run_loops(["none", "disk"], 1, command)
+
+
 def test_bench_model_script_without_blocks_skips_checkpoint_by_default(
     script: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

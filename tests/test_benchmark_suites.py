@@ -38,12 +38,14 @@ def test_benchmark_suites_pass_at_tiny_size(tmp_path: Path) -> None:
 
 def test_training_loop_benchmark_trains_each_variant_alone(tmp_path: Path) -> None:
     command = [sys.executable, "benchmarks/training_loop.py", "--model", "tiny", "--rounds", "1"]
-    command += ["--steps", "3", "--policies", "disk,auto:50%", "--directory", str(tmp_path)]
-    command += ["--threads", "1"]
+    command += ["--steps", "3", "--policies", "disk,disk-untrimmed,auto:50%"]
+    command += ["--directory", str(tmp_path), "--threads", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    rows = [line.split() for line in result.stdout.splitlines() if line.startswith("  ")]
-    assert [row[0] for row in rows] == ["none", "disk", "auto:50%"]
-    assert "(1.00 of none's)" in result.stdout
+    lines = result.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("---")) + 1
+    rows = [line.split() for line in lines[start:] if line.strip()][:4]
+    assert [row[0] for row in rows] == ["none", "disk", "disk-untrimmed", "auto:50%"]
+    assert rows[0][3] == rows[0][6] == rows[0][-1] == "1.00x"  # none against itself
     assert list(tmp_path.iterdir()) == []  # the spill directory went with its processes

@@ -15,7 +15,9 @@ The modules, each importing only those above it:
 - :mod:`~tensorstash.bench.snapshot`: ``--memory-snapshot`` (CUDA);
 - :mod:`~tensorstash.bench.rounds`: NOTE [ Fair comparison ], :func:`run_bench`
   and :func:`run_sweep`;
-- :mod:`~tensorstash.bench.plot`: the figure of ``--plot`` (matplotlib, imported lazily).
+- :mod:`~tensorstash.bench.plot`: the figure of ``--plot`` (matplotlib, imported lazily);
+- :mod:`~tensorstash.bench.loop`: ``--loop``, NOTE [ Training loops ]: each variant
+  trained alone in a fresh process.
 """
 
 from tensorstash._memory import CudaPeak, PeakRss, return_free_memory
