@@ -9,8 +9,10 @@ Run: python benchmarks/training_loop.py [--model small] [--dtype float32]
      [--policies none,checkpoint,auto:50%,disk] [--steps 20] [--rounds 4]
      [--directory DIR]
 
-The processes inherit the environment: with ``LD_PRELOAD`` naming jemalloc they
-train under it (the title names the allocator; README, "The allocator").
+Here ``--steps`` is the loop's length and ``--rounds`` the rounds (``tensorstash bench
+--loop 20 --steps 4`` is ``--steps 20 --rounds 4`` here). The processes inherit the
+environment: with ``LD_PRELOAD`` naming jemalloc they train under it (the title names
+the allocator; README, "The allocator").
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 import warnings
 from typing import Any
 
@@ -72,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             "--dtype", args.dtype, "--steps", str(args.steps), "--threads", str(args.threads),
         ]  # fmt: skip
 
-    with tempfile.TemporaryDirectory(prefix="ts-loop-bench-", dir=args.directory) as directory:
-        runs = run_loops(names, args.rounds, command, {**os.environ, "TMPDIR": directory})
+    runs = run_loops(names, args.rounds, command, args.directory)
     model = builtin_workload(args.model, 0).description
     print(format_loop_table(loop_rows(runs), model, args.dtype, args.steps, args.rounds))
     return 0

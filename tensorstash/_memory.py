@@ -9,12 +9,14 @@
 2. Where clear_refs cannot be written (not Linux, or not allowed), a thread
    samples the resident set every millisecond instead; it may miss a peak
    shorter than that, and its wake-ups cost the step a little time.
-3. Before a step, garbage is collected and glibc's free heap is handed back to
-   the operating system (``malloc_trim(0)``): glibc keeps freed memory, so a
-   step would otherwise reuse the last step's pages and show no growth at all
-   (see DESIGN.md, measured facts). Every variant starts from the same trimmed
-   heap, and its step time includes the first touch of the fresh pages it uses
-   (about 1.2 GB/s on the 2-core machines here), as in a process just started.
+3. Before a step, garbage is collected and the allocator's free memory is
+   handed back to the operating system (glibc's ``malloc_trim(0)``, or another
+   allocator's own call: rule 12 of NOTE [ Returning memory ] in _trim.py):
+   glibc keeps freed memory, so a step would otherwise reuse the last step's
+   pages and show no growth at all (see DESIGN.md, measured facts). Every
+   variant starts from the same trimmed heap, and its step time includes the
+   first touch of the fresh pages it uses (about 1.2 GB/s on the 2-core
+   machines here), as in a process just started.
 4. Everything the process holds counts: bytes a stash counts as "disk" that
    still wait for the writer, compressed buffers, allocator slack, the
    recomputation of a checkpointed block.
@@ -83,7 +85,7 @@ def _reset_high_water_rss() -> bool:
 
 
 def return_free_memory() -> None:
-    """Rule 3 of NOTE [ Real memory ]: collect garbage, return glibc's free heap to the OS."""
+    """Rule 3 of NOTE [ Real memory ]: collect garbage, return the allocator's free memory."""
     gc.collect()
     release_free_heap()
 

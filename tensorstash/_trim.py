@@ -191,7 +191,10 @@ def find_allocator(libc: Any = None) -> Allocator:
     Args:
         libc: the process's symbols (default ``ctypes.CDLL(None)``): jemalloc's
             ``mallctl`` or tcmalloc's ``MallocExtension_*`` count only where that
-            allocator's own counter sees a ``malloc`` made through ``libc``.
+            allocator's own counter sees a ``malloc`` made through ``libc`` (a
+            jemalloc built without its statistics cannot show it, and counts as
+            not serving). A jemalloc whose purge of every arena fails (before 5.0)
+            has no release.
     """
     if libc is None:
         try:
@@ -201,6 +204,8 @@ def find_allocator(libc: Any = None) -> Allocator:
     if _serves(libc, _jemalloc_allocated(libc)):
         mallctl = libc.mallctl
         purge = f"arena.{_MALLCTL_ARENAS_ALL}.purge".encode()
+        if mallctl(purge, None, None, None, 0) != 0:  # before jemalloc 5: no such name
+            return Allocator("jemalloc", None)
         return Allocator("jemalloc", lambda: mallctl(purge, None, None, None, 0))
     if _serves(libc, _tcmalloc_allocated(libc)):
         return Allocator("tcmalloc", libc.MallocExtension_ReleaseFreeMemory)
@@ -365,8 +370,8 @@ class Trimmer:
 
     Args:
         every: growth of the resident set between two calls; None never calls.
-        release: what returns the memory (default glibc's ``malloc_trim(0)``;
-            None where there is none).
+        release: what returns the memory (default the allocator's own, rule 12:
+            glibc's ``malloc_trim(0)``; None where there is none).
         resident: reads the resident set in bytes.
         counted: told, after each call, how many bytes the resident set fell
             by and how many seconds the call took (rule 7): ``StashStats.returned``.

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +21,13 @@ import torch
 
 from tensorstash import bench
 from tensorstash.bench import plot as _plot
-from tensorstash.bench.loop import format_loop_table, loop_rows, run_loops, train_alone
+from tensorstash.bench.loop import (
+    LEARNING,
+    format_loop_table,
+    loop_rows,
+    run_loops,
+    train_alone,
+)
 from tensorstash.bench.planning import make_plan_run
 
 
@@ -135,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--warmup",
         type=_non_negative_int,
-        default=2,
+        default=None,
         help="untimed rounds first; Auto learns its plan in them (default 2)",
     )
     run.add_argument(
@@ -183,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU: train each policy alone in a fresh process for STEPS SGD steps back to "
         "back, as a training loop runs them, and report the most the resident set grew "
         "over the loop (single steps each begin from memory handed back to the OS; a "
-        "loop's do not); --steps rounds (default 3)",
+        "loop's do not); --steps rounds (default 3); STEPS > "
+        f"{LEARNING} (an Auto profile learns in the first {LEARNING})",
     )
     run.add_argument("--loop-alone", default=None, help=argparse.SUPPRESS)  # a child's run
     run.set_defaults(subparser=run, handler=_bench)
@@ -227,10 +232,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
-        if args.model_script is None:
-            workload = bench.builtin_workload(args.model, args.seed)
-        else:
-            workload = bench.script_workload(args.model_script, args.seed)
+        workload = _load_workload(args)
         run = make_plan_run(
             workload,
             args.budget,
@@ -282,10 +284,7 @@ def _workload(args: argparse.Namespace) -> tuple[bench.Workload, list[str]]:
         _plot.require_matplotlib()
     if args.memory_snapshot is not None:
         bench.check_memory_snapshot(args.device)
-    if args.model_script is None:
-        workload = bench.builtin_workload(args.model, args.seed)
-    else:
-        workload = bench.script_workload(args.model_script, args.seed)
+    workload = _load_workload(args)
     policies = args.policies
     if policies is None:
         policies = list(bench.SWEEP_POLICIES if args.sweep else bench.DEFAULT_POLICIES)
@@ -344,8 +343,10 @@ def _bench(args: argparse.Namespace) -> int:
         args.steps = 8 if args.sweep else 3
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if args.loop is not None:
+    if args.loop is not None or args.loop_alone is not None:
         return _bench_loop(args)
+    if args.warmup is None:
+        args.warmup = 2
     try:
         workload, policies = _workload(args)
     except (ValueError, _plot.PlotUnavailable) as error:
@@ -396,17 +397,9 @@ def _bench(args: argparse.Namespace) -> int:
 def _bench_loop(args: argparse.Namespace) -> int:
     """``--loop``: each policy trained alone in a fresh process (NOTE [ Training loops ])."""
     dtype = args.dtype or "float32"
-    if args.loop_alone is not None:  # a child: one run, printed as JSON
-        workload = (
-            bench.builtin_workload(args.model, args.seed)
-            if args.model_script is None
-            else bench.script_workload(args.model_script, args.seed)
-        )
-        runner = bench.StepRunner(workload, _HOST, bench.resolve_dtype(dtype), args.seed)
-        print(json.dumps(train_alone(runner, args.loop_alone, args.loop)))
-        return 0
     unsupported = {
         "--sweep": args.sweep,
+        "--warmup": args.warmup is not None,
         "--plot": args.plot is not None,
         "--memory-snapshot": args.memory_snapshot is not None,
         "--twins": args.twins,
@@ -417,6 +410,17 @@ def _bench_loop(args: argparse.Namespace) -> int:
         args.subparser.error(
             f"--loop measures a CPU training loop's resident memory; leave out {', '.join(named)}"
         )
+    if args.loop is None or args.loop <= LEARNING:
+        args.subparser.error(
+            f"--loop takes more than {LEARNING} steps (an Auto profile learns in the first "
+            f"{LEARNING}); got {args.loop}"
+        )
+    if args.loop_alone is not None:  # a child: one run, printed as JSON
+        runner = bench.StepRunner(
+            _load_workload(args), bench.resolve_device("cpu"), bench.resolve_dtype(dtype), args.seed
+        )
+        print(json.dumps(train_alone(runner, args.loop_alone, args.loop)))
+        return 0
     try:
         workload, policies = _workload(args)
     except ValueError as error:
@@ -437,13 +441,11 @@ def _bench_loop(args: argparse.Namespace) -> int:
             "--threads", str(torch.get_num_threads()), *model,
         ]  # fmt: skip
 
-    with tempfile.TemporaryDirectory(prefix="tensorstash-loop-") as directory:
-        env = {**os.environ, "TMPDIR": directory}  # where the children's disk spills go
-        try:
-            runs = run_loops(names, args.steps, command, env)
-        except RuntimeError as error:
-            print(str(error), file=sys.stderr)
-            return 1
+    try:
+        runs = run_loops(names, args.steps, command)
+    except RuntimeError as error:
+        print(str(error), file=sys.stderr)
+        return 1
     rows = loop_rows(runs)
     print(format_loop_table(rows, workload.description, dtype, args.loop, args.steps))
     if args.json is not None:
@@ -452,7 +454,11 @@ def _bench_loop(args: argparse.Namespace) -> int:
     return 0
 
 
-_HOST = torch.device("cpu")
+def _load_workload(args: argparse.Namespace) -> bench.Workload:
+    """The built-in model ``--model`` names, or the user's ``--model-script``."""
+    if args.model_script is None:
+        return bench.builtin_workload(args.model, args.seed)
+    return bench.script_workload(args.model_script, args.seed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -485,8 +485,9 @@ class DiskSpill:
         trim_every: once the process's resident set grew by this many bytes
             (since the session began, or since the last spill step handed
             memory back, where that is lower), hand the memory the allocator
-            keeps free back to the OS (glibc's ``malloc_trim``; NOTE
-            [ Returning memory ] in _trim.py). None: never.
+            keeps free back to the OS (glibc's ``malloc_trim``, or another
+            allocator's own call; NOTE [ Returning memory ] in _trim.py). None:
+            never.
         background: write and read ahead on background threads. None
             (default): where the process has a core beyond torch's own
             threads, and always for a value not yet in CPU memory (a device

@@ -46,7 +46,7 @@
    A measured step whose own plan is such a plan takes its peak too (the
    first step of a new plan, measured anyway, is the first sample). These
    steps, and the first of each run of measured steps, take the real peak,
-   each begun from a heap handed back to the OS (``malloc_trim``):
+   each begun from a heap handed back to the OS (``malloc_trim`` under glibc):
    a training loop's warm heap reuses the last step's pages, and its steps
    would show no growth at all (NOTE [ Real memory ]). Such a step is cold:
    every page it touches is faulted in again, which made a module's forward

@@ -532,27 +532,60 @@ def test_bench_loop_trains_each_policy_of_the_users_model_alone(
     script: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "loop.json"
-    argv = ["bench", "--model-script", f"{script}:make", "--loop", "3", "--steps", "1"]
+    argv = ["bench", "--model-script", f"{script}:make", "--loop", "7", "--steps", "1"]
     argv += ["--policies", "disk,checkpoint", "--threads", "1", "--json", str(out)]
     assert main(argv) == 0
     rows = {row["policy"]: row for row in json.loads(out.read_text())}
     assert list(rows) == ["none", "disk", "checkpoint"]
-    assert rows["none"]["peak_ratio"] == rows["none"]["step_ratio"] == 1.0
-    assert all(row["peak_bytes"] >= row["steady_bytes"] > 0 for row in rows.values())
+    assert all(row["steady_bytes"] > 0 and row["step_s"] > 0 for row in rows.values())
     text = capsys.readouterr().out
-    assert "1 round(s) of a 3-step SGD loop, each variant alone in a fresh process" in text
+    assert "1 round(s) of a 7-step SGD loop, each variant alone in a fresh process" in text
     assert f"allocator {bench.report.ALLOCATOR.name}" in text
 
 
-@pytest.mark.parametrize("flag", [["--sweep"], ["--twins"], ["--device", "cuda"]])
+def test_loop_rows_pair_each_round_with_no_stashs_and_leave_the_learning_steps_out() -> None:
+    from tensorstash.bench.loop import LEARNING, loop_rows
+
+    def run(first: float, later: float, step: float) -> dict[str, list[float]]:
+        # The first step (an Auto profile's learning) holds the most; the rest hold `later`.
+        peaks = [first] + [later] * (LEARNING + 2)
+        seconds = [9.0] * LEARNING + [step] * 3  # the learning steps' times are left out
+        return {"peaks": peaks, "seconds": seconds}
+
+    runs = {  # two rounds: the machine was slower in the second, for both
+        "none": [run(100, 100, 1.0), run(120, 120, 2.0)],
+        "auto:50%": [run(100, 50, 1.5), run(120, 90, 2.2)],
+    }
+    none, auto = loop_rows(runs)
+    assert (none.policy, auto.policy) == ("none", "auto:50%")
+    assert (auto.peak_bytes, auto.steady_bytes, auto.step_s) == (110, 70, 1.85)
+    assert auto.peak_ratio == 1.0
+    assert auto.steady_ratio == pytest.approx((0.5 + 0.75) / 2)  # same-round ratios' median
+    assert auto.step_ratio == pytest.approx((1.5 + 1.1) / 2)
+
+
+@pytest.mark.parametrize(
+    "flag", [["--sweep"], ["--twins"], ["--warmup", "1"], ["--device", "cuda"]]
+)
 def test_bench_loop_with_what_a_loop_does_not_measure_is_a_usage_error(
     flag: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --device cuda parses
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "--model", "tiny", "--loop", "3", *flag])
+        main(["bench", "--model", "tiny", "--loop", "8", *flag])
     assert exit_info.value.code == 2
-    assert f"leave out {' '.join(flag)}" in capsys.readouterr().err
+    assert f"leave out {flag[0] if flag[0] != '--device' else '--device cuda'}" in (
+        capsys.readouterr().err
+    )
+
+
+def test_bench_loop_shorter_than_autos_learning_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--model", "tiny", "--loop", "5"])
+    assert exit_info.value.code == 2
+    assert "--loop takes more than 5 steps" in capsys.readouterr().err
 
 
 def test_bench_loop_names_the_policy_whose_run_failed() -> None:
@@ -564,7 +597,7 @@ def test_bench_loop_names_the_policy_whose_run_failed() -> None:
         run = json.dumps({"peaks": [1], "seconds": [0.1]})
         return [sys.executable, "-c", f"print({run!r})"]
 
-    with pytest.raises(RuntimeError, match=r"the run of 'disk' failed \(exit status 1\):\nno room"):
+    with pytest.raises(RuntimeError, match=r"loop of 'disk' failed \(exit status 1\):\nno room"):
         run_loops(["none", "disk"], 1, command)
 
 

@@ -182,8 +182,11 @@ class FakeMemory:
 class FakeLibc:
     """The symbols an allocator exports, and a count of the bytes ``malloc`` gave out."""
 
-    def __init__(self, *, jemalloc: str = "", tcmalloc: str = "", glibc: bool = True) -> None:
+    def __init__(
+        self, *, jemalloc: str = "", tcmalloc: str = "", glibc: bool = True, purges: bool = True
+    ) -> None:
         # jemalloc / tcmalloc: "" (not loaded), "loaded" (its symbols only), "serving" (malloc too)
+        self.purges = purges  # jemalloc 5 and later know "arena.4096.purge"
         self.allocated = 0
         self.calls: list[Any] = []
         self.serving = (
@@ -215,9 +218,9 @@ class FakeLibc:
     def _mallctl(self, name: bytes, old: Any, size: Any, new: Any, new_size: int) -> int:
         if name == b"thread.allocated":
             old._obj.value = self.allocated if self.serving == "jemalloc" else 0
-        else:
-            self.calls.append(name)
-        return 0
+            return 0
+        self.calls.append(name)
+        return 0 if self.purges else 2  # ENOENT
 
     def _property(self, name: bytes, value: Any) -> int:
         value._obj.value = self.allocated if self.serving == "tcmalloc" else 0
@@ -233,14 +236,24 @@ class FakeLibc:
         (FakeLibc(tcmalloc="serving"), "tcmalloc", "release"),
         (FakeLibc(tcmalloc="loaded"), "glibc", ("malloc_trim", 0)),
         (FakeLibc(glibc=False), "other", None),
+        (FakeLibc(jemalloc="serving", purges=False), "jemalloc", None),
     ],
-    ids=["glibc", "jemalloc", "jemalloc-not-serving", "tcmalloc", "tcmalloc-not-serving", "none"],
+    ids=[
+        "glibc",
+        "jemalloc",
+        "jemalloc-not-serving",
+        "tcmalloc",
+        "tcmalloc-not-serving",
+        "none",
+        "jemalloc-4",
+    ],
 )
 def test_the_allocator_serving_malloc_is_the_one_that_hands_memory_back(
     libc: FakeLibc, name: str, call: Any
 ) -> None:
     found = find_allocator(libc)
     assert found.name == name
+    libc.calls = [c for c in libc.calls if c != b"arena.4096.purge"]  # the one at detection
     if call is None:
         assert found.release is None
         return

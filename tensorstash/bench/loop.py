@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import os
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,8 +41,8 @@ import torch
 from tensorstash._memory import PeakRss, current_rss, return_free_memory
 from tensorstash._trim import ALLOCATOR
 from tensorstash.bench.measure import StepRunner
-from tensorstash.bench.report import threads_text
-from tensorstash.bench.variants import BASELINE, variant_context
+from tensorstash.bench.report import dtype_text, threads_text
+from tensorstash.bench.variants import BASELINE
 from tensorstash.bench.workloads import checked_loss
 from tensorstash.stats import human_bytes
 
@@ -52,13 +55,7 @@ Variant = Callable[[str, StepRunner], contextlib.AbstractContextManager[Any]]
 
 def bench_variant(name: str, runner: StepRunner) -> contextlib.AbstractContextManager[Any]:
     """The context a bench variant's step runs in (``tensorstash bench`` policy names)."""
-    return variant_context(
-        name,
-        runner.workload,
-        runner.device,
-        runner.profiles,
-        activation_bytes=runner.activation_bytes,
-    )
+    return runner.variant(name)
 
 
 def train_alone(
@@ -73,7 +70,6 @@ def train_alone(
     runner.take_reference()
     net = runner.model
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-4)
-    autocast = runner.dtype != torch.float32
     seconds: list[float] = []
     peaks: list[float] = []
     net.zero_grad(set_to_none=True)
@@ -86,7 +82,7 @@ def train_alone(
             start = time.perf_counter()
             net.zero_grad(set_to_none=True)
             with variant(name, runner):
-                with torch.autocast(runner.device.type, dtype=runner.dtype, enabled=autocast):
+                with runner.autocast():
                     loss = checked_loss(net(*runner.batch), runner.workload)
                 loss.backward()
             optimizer.step()
@@ -127,54 +123,52 @@ def loop_rows(runs: dict[str, list[dict[str, list[float]]]]) -> list[LoopRow]:
     baseline = summary[BASELINE]
     rows = []
     for name, found in summary.items():
-
-        def ratio(index: int, found: list[tuple[float, float, float]] = found) -> float:
-            pairs = zip(found, baseline, strict=True)
-            return statistics.median(mine[index] / max(base[index], 1) for mine, base in pairs)
-
-        rows.append(
-            LoopRow(
-                name,
-                statistics.median(r[0] for r in found),
-                statistics.median(r[1] for r in found),
-                statistics.median(r[2] for r in found),
-                ratio(0),
-                ratio(1),
-                statistics.median(m[2] / b[2] for m, b in zip(found, baseline, strict=True)),
-            )
-        )
+        medians = [statistics.median(run[index] for run in found) for index in range(3)]
+        ratios = [_ratio(found, baseline, index) for index in range(3)]
+        rows.append(LoopRow(name, *medians, *ratios))
     return rows
 
 
 def _summary(run: dict[str, list[float]]) -> tuple[float, float, float]:
+    """A run's most growth, its most growth after the learning steps, its median step."""
     peaks, seconds = run["peaks"], run["seconds"]
-    return (
-        max(peaks),
-        max(peaks[LEARNING:] or peaks),
-        statistics.median(seconds[LEARNING:] or seconds),
-    )
+    return max(peaks), max(peaks[LEARNING:]), statistics.median(seconds[LEARNING:])
+
+
+def _ratio(
+    mine: list[tuple[float, float, float]], base: list[tuple[float, float, float]], index: int
+) -> float:
+    """The median over the rounds of a figure's ratio to the baseline's of the same round."""
+    pairs = zip(mine, base, strict=True)
+    return statistics.median(m[index] / b[index] if b[index] > 0 else math.nan for m, b in pairs)
 
 
 def run_loops(
     names: Sequence[str],
     rounds: int,
     command: Callable[[str], list[str]],
-    env: dict[str, str] | None = None,
+    directory: str | None = None,
 ) -> dict[str, list[dict[str, list[float]]]]:
     """Each variant's runs: ``command(name)`` run in a fresh process, round after round,
-    the order alternating (rule 1); it prints the run as JSON on its last line."""
+    the order alternating (rule 1); it prints the run as JSON on its last line.
+
+    The processes spill into a temporary directory made in ``directory`` (default the
+    system's), removed at the end.
+    """
     runs: dict[str, list[dict[str, list[float]]]] = {name: [] for name in names}
-    for index in range(rounds):
-        for name in names if index % 2 == 0 else list(reversed(names)):
-            done = subprocess.run(
-                command(name), capture_output=True, text=True, check=False, env=env
-            )
-            if done.returncode != 0:
-                raise RuntimeError(
-                    f"tensorstash bench --loop: the run of {name!r} failed "
-                    f"(exit status {done.returncode}):\n{done.stderr.strip()}"
+    with tempfile.TemporaryDirectory(prefix="tensorstash-loop-", dir=directory) as spills:
+        env = {**os.environ, "TMPDIR": spills}  # where a DiskSpill's default directory is
+        for index in range(rounds):
+            for name in names if index % 2 == 0 else list(reversed(names)):
+                done = subprocess.run(
+                    command(name), capture_output=True, text=True, check=False, env=env
                 )
-            runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                if done.returncode != 0:
+                    raise RuntimeError(
+                        f"the training loop of {name!r} failed (exit status "
+                        f"{done.returncode}):\n{done.stderr.strip()}"
+                    )
+                runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
     return runs
 
 
@@ -182,21 +176,20 @@ def format_loop_table(
     rows: Sequence[LoopRow], description: str, dtype: str, steps: int, rounds: int
 ) -> str:
     """The title, the table and what its columns measure."""
-    mode = "bfloat16 autocast" if dtype == "bfloat16" else dtype
+    threads = threads_text(torch.get_num_threads())
     title = (
-        f"{description}, cpu {mode}, {threads_text(torch.get_num_threads())}, allocator "
-        f"{ALLOCATOR.name}: {rounds} round(s) of a {steps}-step SGD loop, each variant alone "
-        "in a fresh process"
+        f"{description}, cpu {dtype_text(dtype)}, {threads}, allocator {ALLOCATOR.name}: "
+        f"{rounds} round(s) of a {steps}-step SGD loop, each variant alone in a fresh process"
     )
     steady = f"from step {LEARNING + 1}"
     header = (
-        f"{'policy':12s} {'loop peak +':>12s} {'vs none':>8s} {steady:>14s} {'vs none':>8s} "
+        f"{'policy':14s} {'loop peak +':>12s} {'vs none':>8s} {steady:>14s} {'vs none':>8s} "
         f"{'step':>9s} {'overhead':>9s}"
     )
     lines = [title, header, "-" * len(header)]
     for row in rows:
         lines.append(
-            f"{row.policy:12s} {human_bytes(int(row.peak_bytes)):>12s} {row.peak_ratio:7.2f}x "
+            f"{row.policy:14s} {human_bytes(int(row.peak_bytes)):>12s} {row.peak_ratio:7.2f}x "
             f"{human_bytes(int(row.steady_bytes)):>14s} {row.steady_ratio:7.2f}x "
             f"{row.step_s:7.3f} s {row.step_ratio:8.2f}x"
         )

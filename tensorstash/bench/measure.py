@@ -127,16 +127,10 @@ class StepRunner:
         trace = Timeline(self.model, self.device) if timeline else None
         with meter(self.device) as measured, trace or contextlib.nullcontext():
             start = time.perf_counter()
-            with variant_context(
-                name,
-                self.workload,
-                self.device,
-                self.profiles,
-                activation_bytes=self.activation_bytes,
-            ) as session:
+            with self.variant(name) as session:
                 if trace is not None:
                     trace.session = session
-                with self._autocast():
+                with self.autocast():
                     loss = checked_loss(self.model(*self.batch), self.workload)
                 if trace is not None:
                     trace.backward_starts()
@@ -171,8 +165,18 @@ class StepRunner:
             raise RuntimeError("tensorstash bench: a keep step had no session (a bug)")
         self.activation_bytes = int(stats["tiers"]["kept"]["peak_bytes"])
 
+    def variant(self, name: str) -> contextlib.AbstractContextManager[Any]:
+        """The context variant ``name``'s step runs in: its session, or none."""
+        return variant_context(
+            name,
+            self.workload,
+            self.device,
+            self.profiles,
+            activation_bytes=self.activation_bytes,
+        )
+
     @contextlib.contextmanager
-    def _autocast(self) -> Iterator[None]:
+    def autocast(self) -> Iterator[None]:
         """Rule 10: the forward under bfloat16 autocast, unless the run is float32."""
         if self.dtype == torch.float32:
             yield

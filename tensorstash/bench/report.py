@@ -122,15 +122,17 @@ def _legend(device: torch.device) -> list[str]:
     else:
         real = "real peak +: growth of the resident set over a step (VmHWM), from a trimmed heap:"
         start = "    all the process held, bytes waiting for the disk writer included"
-        if ALLOCATOR.name == "glibc":
-            start += (
-                ",\n    and the free memory glibc's malloc walks over and keeps (jemalloc "
-                "keeps less: README, The allocator)"
-            )
+    held = [start]
+    if device.type != "cuda" and ALLOCATOR.name == "glibc":
+        held = [
+            f"{start},",
+            "    and the free memory glibc's malloc walks over and keeps (jemalloc keeps less:",
+            "    README, The allocator)",
+        ]
     return [
         "",
         real,
-        *start.split("\n"),
+        *held,
         "vs none, overhead: median over the timed rounds of the ratio to none in the same round",
         "step: median of the timed steps, forward + backward (variants interleaved)",
         "predicted step / peak: the planner's prediction for the step (session.plan); in",
@@ -175,16 +177,22 @@ def format_title(
 ) -> str:
     """The line above a table: the model, the machine, the dtype, the allocator serving
     ``malloc``, the activations, the rounds."""
-    mode = "bfloat16 autocast" if dtype == "bfloat16" else dtype
     measured = [row for row in rows if row.skipped is None]
     rounds = len(measured[0].step_times) if measured else 0
     activations = next((row.activation_bytes for row in rows if row.activation_bytes), None)
-    parts = [description, f"{torch.device(device).type} {mode}", threads_text(threads)]
-    parts.append(f"allocator {ALLOCATOR.name}")  # what the real peaks depend on (README)
+    kind = torch.device(device).type
+    parts = [description, f"{kind} {dtype_text(dtype)}", threads_text(threads)]
+    if kind == "cpu":
+        parts.append(f"allocator {ALLOCATOR.name}")  # what the real peaks depend on (README)
     if activations is not None:
         parts.append(f"activations {human_bytes(activations)} per step")
     parts.append(f"medians of {rounds} timed round(s) after {warmup} warm-up round(s)")
     return ", ".join(parts)
+
+
+def dtype_text(dtype: str) -> str:
+    """``'float32'``, ``'bfloat16 autocast'``: how a step ran, for a title."""
+    return "bfloat16 autocast" if dtype == "bfloat16" else dtype
 
 
 def threads_text(threads: int) -> str:
