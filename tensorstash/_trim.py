@@ -275,14 +275,12 @@ def _tcmalloc_allocated(libc: Any) -> Callable[[], int] | None:
 ALLOCATOR = find_allocator()
 """The process's allocator, found at import (rule 12)."""
 
-_DEFAULT: Release | None = ALLOCATOR.release
-
 
 def release_free_heap() -> None:
     """Hand the allocator's free memory back to the OS now (rule 12); nothing where it has
     no way to."""
-    if _DEFAULT is not None:
-        _DEFAULT()
+    if ALLOCATOR.release is not None:
+        ALLOCATOR.release()
 
 
 def resident_bytes() -> int:
@@ -386,7 +384,7 @@ class Trimmer:
     def __init__(
         self,
         every: int | None,
-        release: Release | None = _DEFAULT,
+        release: Release | None = ALLOCATOR.release,
         resident: Callable[[], int] = resident_bytes,
         counted: Callable[[int, float], object] | None = None,
         floor: Floor | None = None,
@@ -451,7 +449,7 @@ class Watch:
         self,
         every: int,
         holding: Callable[[], bool],
-        release: Release | None = _DEFAULT,
+        release: Release | None = ALLOCATOR.release,
         resident: Callable[[], int] = resident_bytes,
         interval_s: float = 0.01,
         counted: Callable[[int, float], object] | None = None,
