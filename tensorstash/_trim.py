@@ -155,6 +155,21 @@
    library may carry a private copy). An allocator has to be there before
    the process starts (``LD_PRELOAD``): the library loads none; the README
    shows how, and the bench names the allocator in its title.
+13. Three more ways for ``Auto`` to hand back less were measured on the GPT-2
+   config of rule 1 at half its activation bytes and left (steps from a
+   trimmed heap, 2 cores, 16 interleaved rounds a run, three runs, step time
+   against checkpointing every block in the same round): growth counted from
+   the resident set each call left rather than the lowest since, 1.07-1.13x
+   at 0.63-0.66 of none's real peak; a call only while the resident set
+   stands at the step's highest so far, 1.05-1.15x at 0.64-0.66; against
+   1.03-1.09x at 0.63-0.66 for the watch as it is. A ``trim_every`` of 52 or
+   56 MiB (0.83-0.89 of the activation bytes) has no setting between: the
+   peak jumps to 0.70-0.76 of none's, at 1.01-1.09x. Nor does recomputing
+   more than the plan chose pay for its calls: whole blocks (the first three,
+   or all four) held 0.61 and 0.57 at 1.07x and 1.16x, against the plan's
+   0.63 at 1.04x. Under jemalloc (rule 12) the watch seldom calls: ``Auto``
+   held 0.59 of none's peak at 1.00x none's step with it or without it,
+   where checkpointing held 0.46 at 1.17x.
 """
 
 from __future__ import annotations

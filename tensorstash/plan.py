@@ -119,11 +119,10 @@ from tensorstash.stats import human_bytes
 Tier = Literal["keep", "host", "compressed", "disk"]
 
 DISK_BYTES_PER_S = 0.45e9
-
+"""Spill write, read and checksum, per second of a busy 2-core CPU (DESIGN.md, measured facts)."""
 RETURNS_BELOW = 2 / 3
 """A plan holding more than this share of a step's activation bytes hands no memory back
 to the OS when ``trim_every`` is "auto" (rule 8): it frees too little for that to pay."""
-"""Spill write, read and checksum, per second of a busy 2-core CPU (DESIGN.md, measured facts)."""
 LZ4_BYTES_PER_S = 0.6e9
 """lz4 compression and decompression of activations, per second of CPU."""
 LZ4_RATIO = 1.5
