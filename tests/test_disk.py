@@ -188,6 +188,30 @@ def test_disk_spill_reads_back_after_its_directory_was_deleted(tmp_path: Path) -
     assert torch.equal(x.grad, 2 * (x * 2).cos())
 
 
+def test_disk_spill_makes_its_directory_again_for_a_new_file_in_a_session(
+    tmp_path: Path,
+) -> None:
+    """The directory is looked up once a session and again for each new spill file:
+    one deleted once the session's file closed is made again for the next value."""
+    x = torch.randn(256, 256, requires_grad=True)
+    with ts.stash(ts.DiskSpill(tmp_path, background=False), min_bytes=0) as session:
+        y = (x * 2).sin()
+        (first,) = spill_dirs(tmp_path)
+        del y  # its only value freed: the session's file closes
+        gc.collect()
+        assert poll(lambda: not spill_descriptors([tmp_path]), 10)
+        shutil.rmtree(first)  # a cleaner of old temporary files, say
+        z = (x * 3).sin()
+    (again,) = spill_dirs(tmp_path)
+    assert again != first
+    z.sum().backward()
+    assert torch.equal(x.grad, 3 * (x * 3).cos())
+    assert session.stats.to_dict()["tiers"]["disk"]["tensors"] == 2
+    del z
+    gc.collect()
+    assert poll(lambda: not spill_descriptors([tmp_path]), 10)
+
+
 def test_disk_spill_full_disk_keeps_the_tensor_in_memory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
