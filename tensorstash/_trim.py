@@ -170,6 +170,23 @@
    0.63 at 1.04x. Under jemalloc (rule 12) the watch seldom calls: ``Auto``
    held 0.59 of none's peak at 1.00x none's step with it or without it,
    where checkpointing held 0.46 at 1.17x.
+14. Three more ways for a disk spill were measured on the GPT-2 config of
+   rule 1 and left (steps from a trimmed heap, each beside no stash's in the
+   same round, 12 to 48 rounds, 2 cores; a disk spill as it is: 1.49-1.59x
+   at 0.45-0.47 of none's real peak). ``mallopt(M_MMAP_THRESHOLD, 128 KiB)``
+   while the session and its backward ran, put back to 32 MiB after:
+   beside steps that grew the heap it cost 1.26-1.27x at 0.73-0.76
+   untrimmed (new blocks still land on the free heap, rule 10), 1.55x at
+   0.45 with trimming; a process that only spills never grows its heap and
+   held 0.23 of none's peak, but every large block then faults (250 MiB a
+   step against none's 107) and the step cost 1.6-1.75x. A thread in C that
+   read the resident set every 1 ms without the interpreter, in place of
+   the calls after each value: 1.54x at 0.45 with ``trim_every`` 32 MiB,
+   1.51x at 0.52 with 40 MiB; what a call leaves resident (the step's live
+   memory, about 10 MiB) plus ``trim_every`` sets the peak, not how late the
+   call comes. Counting a step's growth from the floor of rule 11 even where
+   the step starts lower: 3.5 calls a step against 3.9, the same step time
+   (1.52x) and 0.50 of none's peak against 0.47 (rule 9).
 """
 
 from __future__ import annotations
