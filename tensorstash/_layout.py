@@ -50,6 +50,8 @@ class Layout:
         span: elements of the storage region the restored tensor needs.
         compact: True when the bytes hold the elements in row-major order
             (rule 2 of NOTE [ Geometry ]), False when they hold the span.
+        nbytes: bytes of the payload: the span, or the elements when compact
+            (worked out from the fields above when not given).
     """
 
     dtype: torch.dtype
@@ -58,6 +60,12 @@ class Layout:
     device: torch.device
     span: int
     compact: bool
+    nbytes: int = -1
+
+    def __post_init__(self) -> None:
+        if self.nbytes < 0:  # read on every pack and unpack: worked out once
+            count = self.numel if self.compact else self.span
+            object.__setattr__(self, "nbytes", count * self.itemsize)
 
     @property
     def itemsize(self) -> int:
@@ -66,12 +74,6 @@ class Layout:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the payload: the span, or the elements when compact."""
-        count = self.numel if self.compact else self.span
-        return count * self.itemsize
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -100,14 +102,17 @@ def describe(tensor: Tensor) -> tuple[Layout, Tensor]:
     data = tensor.detach()
     shape = tuple(data.shape)
     stride = tuple(data.stride())
-    span = span_of(shape, stride)
     numel = data.numel()
+    # Most saved tensors are contiguous: their span is their elements.
+    span = numel if data.is_contiguous() else span_of(shape, stride)
     compact = span > _MAX_SPAN_RATIO * max(numel, 1)
     if compact:
         flat = data.contiguous().reshape(-1)
     else:
         flat = data.as_strided((span,), (1,), data.storage_offset())
-    layout = Layout(data.dtype, shape, stride, data.device, span, compact)
+    dtype = data.dtype
+    nbytes = (numel if compact else span) * dtype.itemsize
+    layout = Layout(dtype, shape, stride, data.device, span, compact, nbytes)
     return layout, _as_bytes(flat)
 
 

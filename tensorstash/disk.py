@@ -564,33 +564,29 @@ class DiskSpill:
 
     def pack(self, value: Tensor | Packed, ctx: Context) -> Spilled:
         parent: Path = ctx.resource(("disk-parent", self.directory), self._first_spill)
+        shared = self._shared(ctx)
         item, holds, kept_tier = _spillable(value)
-        pending: Pending = ctx.resource("disk-pending", Pending)
-        pending.wait_under(self.max_pending_bytes, ctx)
-        extent = _Extent(
-            parent, ctx.resource("disk-files", _Files), ctx.resource("disk-usage", _Usage)
-        )
+        shared.pending.wait_under(self.max_pending_bytes, ctx)
+        extent = _Extent(parent, shared.files, shared.usage)
         layout = getattr(item, "layout", None)
         packed = Spilled(
             "host", item.nbytes, item.stored_bytes, layout=layout, holds=holds, extent=extent
         )
         job = _Job(
-            extent,
-            item,
-            weakref.ref(packed),
-            ctx,
-            self.max_disk_bytes,
-            kept_tier,
-            self._trimmer(ctx),
+            extent, item, weakref.ref(packed), ctx, self.max_disk_bytes, kept_tier, shared.trimmer
         )
         finalize(packed, extent.release)
         if self._in_background(kept_tier, ctx):
             packed.written = ctx.writer().submit(without_frames, job.run)
-            pending.add(packed.written, item.stored_bytes)
+            shared.pending.add(packed.written, item.stored_bytes)
         else:
             packed.inline = True
             packed.written = _run_now(job.run)
         return packed
+
+    def _shared(self, ctx: Context) -> _Shared:
+        shared: _Shared = ctx.resource("disk", lambda: _Shared(self.trim_every, ctx))
+        return shared
 
     def _in_background(self, kept_tier: Tier, ctx: Context) -> bool:
         """Whether a value goes to the writer thread rather than being written now (rule 3)."""
@@ -598,15 +594,7 @@ class DiskSpill:
             return self.background
         if kept_tier != "kept":
             return True  # a copy from a device, or a value an earlier stage may still be making
-        spare: _SpareCores = ctx.resource("disk-spare-cores", _SpareCores)
-        return spare.found
-
-    def _trimmer(self, ctx: Context) -> Trimmer:
-        trimmer: Trimmer = ctx.resource(
-            "disk-trim",
-            lambda: Trimmer(self.trim_every, counted=ctx.stats.returned, floor=FLOOR),
-        )
-        return trimmer
+        return self._shared(ctx).spare_cores
 
     def unpack(self, packed: Packed, ctx: Context) -> Tensor | Packed:
         if not isinstance(packed, Spilled) or packed.written is None or packed.extent is None:
@@ -623,9 +611,13 @@ class DiskSpill:
             if data is None:
                 data = _read(packed.extent, written, packed.layout)
                 if packed.inline:
-                    self._trimmer(ctx).moved()  # rule 7
+                    self._shared(ctx).trimmer.moved()  # rule 7
             if data is None:
                 raise bug("the bytes of a value being unpacked were given back")
+            if packed.holds != "packed" and packed.layout is not None:
+                # A tensor's one buffer: rebuilt from the bytes read, no shell between.
+                ctx.stats.timed("wait", time.perf_counter() - start)
+                return from_host(packed.layout, data, packed.holds)
             value = written.shell.from_buffers(_pieces(data, written.sizes))
         ctx.stats.timed("wait", time.perf_counter() - start)
         return _returned(value, packed)
@@ -639,16 +631,25 @@ class DiskSpill:
         if packed.inline:
             _advise_will_need(extent)
         else:
+            trimmer = self._shared(ctx).trimmer
             packed.prefetched = ctx.pool().submit(
-                without_frames, _read_ahead, extent, written, packed.layout, self._trimmer(ctx)
+                without_frames, _read_ahead, extent, written, packed.layout, trimmer
             )
 
 
-class _SpareCores:
-    """Whether the process has a core beyond torch's threads, read once per session (rule 3)."""
+class _Shared:
+    """What a session's spills share, made at its first: the writes in flight (rule 3),
+    the spill file (rule 6), the bytes on disk (rule 5), the trimmer (rule 7), and
+    whether the process has a core beyond torch's threads (rule 3)."""
 
-    def __init__(self) -> None:
-        self.found = usable_cores() > torch.get_num_threads()
+    __slots__ = ("files", "pending", "spare_cores", "trimmer", "usage")
+
+    def __init__(self, trim_every: int | None, ctx: Context) -> None:
+        self.pending = Pending()
+        self.files = _Files()
+        self.usage = _Usage()
+        self.trimmer = Trimmer(trim_every, counted=ctx.stats.returned, floor=FLOOR)
+        self.spare_cores = usable_cores() > torch.get_num_threads()
 
 
 def usable_cores() -> int:

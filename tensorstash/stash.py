@@ -267,9 +267,15 @@ def _version_counter(tensor: Tensor) -> Tensor:
     as autograd's own saved variables keep the counter apart from the data.
     """
     alias = tensor.detach()
-    with torch.autograd._unsafe_preserve_version_counter(alias):
+    version = alias._version
+    try:
         alias.set_()  # type: ignore[call-overload]
+    finally:  # torch.autograd._unsafe_preserve_version_counter, without its object
+        _set_version_counter((alias,), (version,))
     return alias
+
+
+_set_version_counter = torch._C._autograd._unsafe_set_version_counter
 
 
 class _Distributed:
