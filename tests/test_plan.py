@@ -22,7 +22,7 @@ from torch import nn
 from zoo import Block
 
 import tensorstash as ts
-from tensorstash.plan import HOOK_S, Rates, make_plan
+from tensorstash.plan import HOOK_S, Rates, make_plan, weighted_median
 from tensorstash.profile import ModuleRecord, SiteRecord, StepRecord
 
 MiB = 1 << 20
@@ -207,6 +207,28 @@ def test_plan_learns_what_a_spill_cost_from_a_step_that_spilled() -> None:
     plan = make_plan(profile, 9 * MiB, recompute=False, rates=Rates(ratio=1.0))
     assert plan is not None
     assert plan.predicted_step_s == pytest.approx(1.0 + 0.4, rel=1e-6)
+
+
+def test_plan_prices_a_spill_by_its_bytes_not_by_its_steps() -> None:
+    profile = two_blocks()
+    # A step spilled 16 MiB and took 0.8 s more; it has left the history since.
+    spilled = StepRecord(0.6, 1.2, 8 * MiB, None, (), 0.0, {"disk": 16 * MiB})
+    profile.aside[frozenset({"disk"})] = deque([spilled])
+    # Three later steps spilled 256 KiB each, their cost lost in their noise.
+    for _ in range(3):
+        profile.history.append(
+            StepRecord(1 / 3, 2 / 3, 8 * MiB, None, (), 0.0, {"disk": 256 * 1024})
+        )
+    plan = make_plan(profile, 9 * MiB, recompute=False, rates=Rates(ratio=1.0))
+    assert plan is not None
+    # 8 MiB spilled at what the 16 MiB cost a byte: 0.4 s, not next to nothing.
+    assert plan.predicted_step_s == pytest.approx(1.0 + 0.4, rel=1e-6)
+
+
+def test_weighted_median_counts_each_value_by_its_weight() -> None:
+    assert weighted_median([(0.0, 1), (5.0, 10), (1.0, 2)]) == 5.0
+    assert weighted_median([(2.0, 1)]) == 2.0
+    assert weighted_median([(1.0, 1), (3.0, 1)]) == 1.0
 
 
 def test_plan_costs_recompute_at_what_backward_took_to_recompute() -> None:
