@@ -882,6 +882,24 @@ def test_plan_prices_the_pages_its_steps_fault_in() -> None:
     assert kept is not None and kept.faulted_bytes == 0 and kept.faults_s == 0.0
 
 
+def test_plan_tries_the_plan_that_only_recomputes_before_one_that_moves() -> None:
+    profile = two_blocks(cheap_s=0.05, dear_s=0.4)
+    # A warm step spilled 8 MiB for next to nothing: spilling looks cheaper than
+    # recomputing "a", whose steps (their faults, the hooks they spare) nothing measured.
+    profile.history.append(StepRecord(1 / 3, 2 / 3, 8 * MiB, None, (), 0.0, {"disk": 8 * MiB}))
+    moving = make_plan(profile, 9 * MiB, trims=True, recompute=False)
+    alone = make_plan(profile, 9 * MiB, trims=True, always=("a",))
+    assert moving is not None and moving.tiers and alone is not None and alone.fits
+    assert moving.predicted_step_s < alone.predicted_step_s
+    plan = make_plan(profile, 9 * MiB, trims=True)
+    assert plan is not None and plan.recompute == ("a",) and not plan.tiers
+    # Once a step recomputed "a" and moved nothing, the two are weighed: the spill wins.
+    seconds = 1.0 + 0.05
+    profile.quiet_history.append(StepRecord(seconds / 3, 2 * seconds / 3, 0, None, ("a",)))
+    plan = make_plan(profile, 9 * MiB, trims=True)
+    assert plan is not None and plan.tiers and not plan.recompute
+
+
 def test_plan_prices_the_calls_that_hand_memory_back() -> None:
     profile = two_blocks(cheap_s=0.002, dear_s=0.008)
     rates = Rates(refault=1e18)  # faults cost nothing here: only the calls count
