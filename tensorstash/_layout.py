@@ -28,7 +28,7 @@ import contextlib
 import ctypes
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ class Layout:
         compact: True when the bytes hold the elements in row-major order
             (rule 2 of NOTE [ Geometry ]), False when they hold the span.
         nbytes: bytes of the payload: the span, or the elements when compact
-            (worked out from the fields above when not given).
+            (worked out from the fields above, once).
     """
 
     dtype: torch.dtype
@@ -60,12 +60,12 @@ class Layout:
     device: torch.device
     span: int
     compact: bool
-    nbytes: int = -1
+    nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.nbytes < 0:  # read on every pack and unpack: worked out once
-            count = self.numel if self.compact else self.span
-            object.__setattr__(self, "nbytes", count * self.itemsize)
+        # Read on every pack and unpack: worked out once.
+        count = self.numel if self.compact else self.span
+        object.__setattr__(self, "nbytes", count * self.itemsize)
 
     @property
     def itemsize(self) -> int:
@@ -110,9 +110,7 @@ def describe(tensor: Tensor) -> tuple[Layout, Tensor]:
         flat = data.contiguous().reshape(-1)
     else:
         flat = data.as_strided((span,), (1,), data.storage_offset())
-    dtype = data.dtype
-    nbytes = (numel if compact else span) * dtype.itemsize
-    layout = Layout(dtype, shape, stride, data.device, span, compact, nbytes)
+    layout = Layout(data.dtype, shape, stride, data.device, span, compact)
     return layout, _as_bytes(flat)
 
 

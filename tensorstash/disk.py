@@ -576,7 +576,7 @@ class DiskSpill:
             extent, item, weakref.ref(packed), ctx, self.max_disk_bytes, kept_tier, shared.trimmer
         )
         finalize(packed, extent.release)
-        if self._in_background(kept_tier, ctx):
+        if self._in_background(kept_tier, shared):
             packed.written = ctx.writer().submit(without_frames, job.run)
             shared.pending.add(packed.written, item.stored_bytes)
         else:
@@ -588,13 +588,13 @@ class DiskSpill:
         shared: _Shared = ctx.resource("disk", lambda: _Shared(self.trim_every, ctx))
         return shared
 
-    def _in_background(self, kept_tier: Tier, ctx: Context) -> bool:
+    def _in_background(self, kept_tier: Tier, shared: _Shared) -> bool:
         """Whether a value goes to the writer thread rather than being written now (rule 3)."""
         if self.background is not None:
             return self.background
         if kept_tier != "kept":
             return True  # a copy from a device, or a value an earlier stage may still be making
-        return self._shared(ctx).spare_cores
+        return shared.spare_cores
 
     def unpack(self, packed: Packed, ctx: Context) -> Tensor | Packed:
         if not isinstance(packed, Spilled) or packed.written is None or packed.extent is None:

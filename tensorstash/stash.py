@@ -259,6 +259,9 @@ class _Saved:
         self.policy, self.packed = policy, packed
 
 
+_set_version_counter = torch._C._autograd._unsafe_set_version_counter
+
+
 def _version_counter(tensor: Tensor) -> Tensor:
     """A tensor that shares ``tensor``'s version counter but none of its memory.
 
@@ -273,9 +276,6 @@ def _version_counter(tensor: Tensor) -> Tensor:
     finally:  # torch.autograd._unsafe_preserve_version_counter, without its object
         _set_version_counter((alias,), (version,))
     return alias
-
-
-_set_version_counter = torch._C._autograd._unsafe_set_version_counter
 
 
 class _Distributed:

@@ -381,9 +381,10 @@ def test_disk_spill_writes_on_the_training_thread_only_without_a_spare_core(
 def test_disk_spill_keeps_device_and_staged_values_on_the_writer(tmp_path: Path) -> None:
     ctx = Context(StashStats())
     spill = ts.DiskSpill(tmp_path)
-    assert spill._in_background("host", ctx), "a copy from a device may still be in flight"
-    assert not ts.DiskSpill(tmp_path, background=False)._in_background("kept", ctx)
-    assert ts.DiskSpill(tmp_path, background=True)._in_background("kept", ctx)
+    shared = spill._shared(ctx)
+    assert spill._in_background("host", shared), "a copy from a device may still be in flight"
+    assert not ts.DiskSpill(tmp_path, background=False)._in_background("kept", shared)
+    assert ts.DiskSpill(tmp_path, background=True)._in_background("kept", shared)
 
 
 def test_disk_spill_inline_is_bitwise_reads_at_unpack_and_asks_the_kernel_to_read_ahead(
