@@ -187,6 +187,13 @@
    call comes. Counting a step's growth from the floor of rule 11 even where
    the step starts lower: 3.5 calls a step against 3.9, the same step time
    (1.52x) and 0.50 of none's peak against 0.47 (rule 9).
+15. Where the session pool is built (NOTE [ Session pool ] in _pool.py), a
+   disk spill that wrote ``trim_every`` bytes and a planned step of ``Auto``
+   hold it in place of trimming: its blocks are unmapped when freed past its
+   cap, so no step walks a free heap and nothing is faulted in twice. Rules
+   1-14 are what happens without it (or before a disk spill wrote that much:
+   it trims until then, and hands the heap's free memory back once when it
+   takes the pool).
 """
 
 from __future__ import annotations
@@ -197,7 +204,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tensorstash._pool import Lease
 
 Release = Callable[[], object]
 
@@ -445,18 +455,27 @@ class Trimmer:
             self.floor.wrote(written)
         with self._lock:
             before = self.resident()
-            if before - self._base < self.every:
-                return
-            self.calls += 1
-            start = time.perf_counter()
-            if self.release is not None:
-                self.release()
-            took = time.perf_counter() - start
-            self._base = self.resident()
-            if self.floor is not None:
-                self.floor.handed_back(self._base)
-            if self.counted is not None:
-                self.counted(max(before - self._base, 0), took)
+            if before - self._base >= self.every:
+                self._call(before)
+
+    def _call(self, before: int) -> None:
+        self.calls += 1
+        start = time.perf_counter()
+        if self.release is not None:
+            self.release()
+        took = time.perf_counter() - start
+        self._base = self.resident()
+        if self.floor is not None:
+            self.floor.handed_back(self._base)
+        if self.counted is not None:
+            self.counted(max(before - self._base, 0), took)
+
+    def hand_back(self) -> None:
+        """Hand the allocator's free memory back now, whatever the growth."""
+        if self.every is None:
+            return
+        with self._lock:
+            self._call(self.resident())
 
     def freed(self) -> None:
         """Memory may have been freed: growth counts from the resident set now, if lower."""
@@ -475,6 +494,9 @@ class Watch:
             thread once the session exited (:meth:`exited`).
         release, resident, counted: as for :class:`Trimmer`.
         interval_s: how often the resident set is read.
+        lease: the session pool's lease for the step (NOTE [ Session pool ] in
+            _pool.py): then the thread trims nothing and closes the lease when
+            ``holding()`` turns False.
     """
 
     def __init__(
@@ -485,15 +507,17 @@ class Watch:
         resident: Callable[[], int] = resident_bytes,
         interval_s: float = 0.01,
         counted: Callable[[int, float], object] | None = None,
+        lease: Lease | None = None,
     ) -> None:
-        self.trimmer = Trimmer(every, release, resident, counted)
+        self.trimmer = Trimmer(None if lease is not None else every, release, resident, counted)
         self.holding = holding
         self.interval_s = interval_s
+        self.lease = lease
         self._exited = False
         self._thread = threading.Thread(target=self._run, name="tensorstash-trim", daemon=True)
 
     def start(self) -> None:
-        if self.trimmer.every is not None:
+        if self.trimmer.every is not None or self.lease is not None:
             self._thread.start()
 
     def exited(self) -> None:
@@ -501,13 +525,16 @@ class Watch:
         self._exited = True
 
     def _run(self) -> None:
-        trimmer = self.trimmer
+        trimmer, lease = self.trimmer, self.lease
         while True:
             time.sleep(self.interval_s)
             if self._exited and not self.holding():
+                if lease is not None:
+                    lease.close()
                 return
-            trimmer.freed()
-            trimmer.moved()
+            if lease is None:
+                trimmer.freed()
+                trimmer.moved()
 
 
 def _forget_in_child() -> None:

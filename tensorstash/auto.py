@@ -51,7 +51,7 @@ import psutil
 import torch
 from torch import Tensor, nn
 
-from tensorstash import _modules, _rates, _reasons
+from tensorstash import _modules, _pool, _rates, _reasons
 from tensorstash._names import resolve
 from tensorstash._reasons import Reason, Why, reason
 from tensorstash._trim import Watch
@@ -285,12 +285,15 @@ class Auto:
             and those inside it) or class names.
         always_recompute: modules the plan recomputes whatever the budget.
         trim_every: in a planned step on the CPU that moves or recomputes
-            anything, a thread hands the allocator's free memory back to the
-            OS each time the resident set grew by this many bytes (NOTE
-            [ Returning memory ] in _trim.py, rule 6), so the bytes the plan
-            frees leave the process. "auto": three quarters of the step's
-            activation bytes, at least 16 MiB, and only where the plan holds
-            at most two thirds of them (``Plan.returns_memory``). None: never.
+            anything, the free memory the process may keep above what it
+            uses, so the bytes the plan frees leave the process: the session
+            pool's cap (NOTE [ Session pool ] in _pool.py), or, where there is
+            no pool, the growth of the resident set after which a thread hands
+            the allocator's free memory back to the OS (NOTE [ Returning
+            memory ] in _trim.py, rule 6). "auto": three quarters of the
+            step's activation bytes, at least 16 MiB, and only where the plan
+            holds at most two thirds of them (``Plan.returns_memory``). None:
+            neither.
         device_probe, host_probe, clock: injected probes (see :class:`Select`).
 
     Example:
@@ -589,15 +592,17 @@ class _AutoState:
         return frozenset("disk" if tier == "disk" else "host" for tier in tiers if tier != "keep")
 
     def _watch(self, plan: Plan) -> None:
-        """Trim while a CPU step whose plan frees memory runs (NOTE [ Returning memory ], 6)."""
+        """Lease the session pool, or else trim, while a CPU step whose plan frees memory
+        runs (NOTE [ Session pool ] in _pool.py; NOTE [ Returning memory ], 6)."""
         every = self.auto.trim_every
         if every is None or self.device_type != "cpu" or not plan.returns_memory:
             return
         if every == "auto":
             every = max(TRIM_LEAST, plan.activation_bytes * 3 // 4)
         stats = self.stats
-        self.watch = Watch(int(parse_bytes(every, "tensorstash.Auto", "trim_every")),
-                           lambda: _holding(stats), counted=stats.returned)  # fmt: skip
+        every = int(parse_bytes(every, "tensorstash.Auto", "trim_every"))
+        self.watch = Watch(every, lambda: _holding(stats), counted=stats.returned,
+                           lease=_pool.lease(every))  # fmt: skip
         self.watch.start()
 
     def _without_cache(self, root: nn.Module) -> None:

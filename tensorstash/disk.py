@@ -73,12 +73,16 @@
    that step 0.06-0.1x less again (the kernel allocates page-cache pages at
    about 5 GB/s here, and copies into existing ones at 15), but such a file
    would outlive the graph that wrote it: it is not kept.
-7. Bytes a spill frees must leave the process: once the resident set grew by
+7. Bytes a spill frees must leave the process. From its first spill until its
+   graph is freed, a session holds the session pool (NOTE [ Session pool ] in
+   _pool.py) with ``trim_every`` as its cap: a written activation's block
+   waits there for the next activation of its size, or is unmapped on the
+   writer's thread. Where there is no pool, once the resident set grew by
    ``trim_every`` bytes, whoever wrote or read the last value (rule 3) hands
    the allocator's free memory back to the OS (NOTE [ Returning memory ] in
    _trim.py; in a training loop growth counts from where the last spill step
    handed memory back, rule 11 there). Read buffers are the stash's own and
-   go back to the pool, or the OS, when their tensor dies.
+   go back to their pool, or the OS, when their tensor dies.
 8. The private directory is removed at exit (atexit, or multiprocessing's exit
    for its children); directories left by dead processes of the same user are
    removed when a new one is made. A forked child makes its own directory and
@@ -104,6 +108,7 @@ import torch
 import xxhash
 from torch import Tensor
 
+from tensorstash import _pool
 from tensorstash._buffers import POOL
 from tensorstash._layout import Layout, memory
 from tensorstash._reasons import Reason, Why, reason
@@ -501,12 +506,14 @@ class DiskSpill:
         max_disk_bytes: the most bytes a session's files may hold on disk; past
             it, tensors stay in memory (``stats.fallbacks["disk cap"]``).
             None: no cap.
-        trim_every: once the process's resident set grew by this many bytes
-            (since the session began, or since the last spill step handed
-            memory back, where that is lower), hand the memory the allocator
-            keeps free back to the OS (glibc's ``malloc_trim``, or another
-            allocator's own call; NOTE [ Returning memory ] in _trim.py). None:
-            never.
+        trim_every: the free memory the process may keep above what it uses
+            while the session and its graph live: the session pool's cap
+            (NOTE [ Session pool ] in _pool.py), or, where there is no pool,
+            the growth of the resident set (since the session began, or since
+            the last spill step handed memory back, where that is lower) after
+            which the allocator's free memory goes back to the OS (glibc's
+            ``malloc_trim``, or another allocator's own call; NOTE [ Returning
+            memory ] in _trim.py). None: neither.
         background: write and read ahead on background threads. None
             (default): where the process has a core beyond torch's own
             threads, and always for a value not yet in CPU memory (a device
@@ -573,7 +580,7 @@ class DiskSpill:
             "host", item.nbytes, item.stored_bytes, layout=layout, holds=holds, extent=extent
         )
         job = _Job(
-            extent, item, weakref.ref(packed), ctx, self.max_disk_bytes, kept_tier, shared.trimmer
+            extent, item, weakref.ref(packed), ctx, self.max_disk_bytes, kept_tier, shared.returning
         )
         finalize(packed, extent.release)
         if self._in_background(kept_tier, shared):
@@ -611,7 +618,7 @@ class DiskSpill:
             if data is None:
                 data = _read(packed.extent, written, packed.layout)
                 if packed.inline:
-                    self._shared(ctx).trimmer.moved()  # rule 7
+                    self._shared(ctx).returning.moved()  # rule 7
             if data is None:
                 raise bug("the bytes of a value being unpacked were given back")
             if packed.holds != "packed" and packed.layout is not None:
@@ -631,25 +638,67 @@ class DiskSpill:
         if packed.inline:
             _advise_will_need(extent)
         else:
-            trimmer = self._shared(ctx).trimmer
+            returning = self._shared(ctx).returning
             packed.prefetched = ctx.pool().submit(
-                without_frames, _read_ahead, extent, written, packed.layout, trimmer
+                without_frames, _read_ahead, extent, written, packed.layout, returning
             )
 
 
 class _Shared:
     """What a session's spills share, made at its first: the writes in flight (rule 3),
-    the spill file (rule 6), the bytes on disk (rule 5), the trimmer (rule 7), and
-    whether the process has a core beyond torch's threads (rule 3)."""
+    the spill file (rule 6), the bytes on disk (rule 5), how freed memory leaves the
+    process (rule 7), and whether the process has a core beyond torch's threads
+    (rule 3). Closed when the session has ended and its graph is freed."""
 
-    __slots__ = ("files", "pending", "spare_cores", "trimmer", "usage")
+    __slots__ = ("files", "pending", "returning", "spare_cores", "usage")
 
     def __init__(self, trim_every: int | None, ctx: Context) -> None:
         self.pending = Pending()
         self.files = _Files()
         self.usage = _Usage()
-        self.trimmer = Trimmer(trim_every, counted=ctx.stats.returned, floor=FLOOR)
+        self.returning = _Returning(trim_every, ctx)
         self.spare_cores = usable_cores() > torch.get_num_threads()
+
+    def close(self) -> None:
+        self.returning.close()
+
+
+class _Returning:
+    """Rule 7: how a session's freed memory leaves the process. The trimmer, until the
+    session wrote ``every`` bytes; then, where there is one, the session pool (a
+    session that frees less than that needs nothing more, and a pool would map its
+    blocks anew where the heap has them resident). ``moved`` is called after each
+    value written or read back."""
+
+    __slots__ = ("_lock", "every", "lease", "trimmer", "written")
+
+    def __init__(self, every: int | None, ctx: Context) -> None:
+        self.every = every if _pool.compiled is not None else None
+        self.lease: _pool.Lease | None = None
+        self.written = 0
+        self._lock = threading.Lock()
+        self.trimmer = Trimmer(every, counted=ctx.stats.returned, floor=FLOOR)
+
+    def moved(self, written: int = 0) -> None:
+        if self.lease is not None:
+            return
+        self.trimmer.moved(written)
+        every = self.every
+        if every is None or not written:
+            return
+        with self._lock:
+            self.written += written
+            if self.written < every or self.lease is not None:
+                return
+            self.lease = _pool.lease(every)
+            if self.lease is None:  # another allocator holds the CPU: trim on
+                self.every = None
+                return
+        self.trimmer.hand_back()  # what the heap holds free goes, once: the pool serves on
+
+    def close(self) -> None:
+        if self.lease is not None:
+            self.lease.close()
 
 
 def usable_cores() -> int:
@@ -758,7 +807,7 @@ class _Job:
     ctx: Context
     cap: int | None
     kept_tier: Tier
-    trimmer: Trimmer
+    returning: _Returning
 
     def run(self) -> _Written | None:
         item, self.item = self.item, None  # the bytes leave with this frame
@@ -767,7 +816,7 @@ class _Job:
         written = self._store(item)
         del item  # the bytes written are free once forward lets go of them too
         if written is not None and written.kept is None:
-            self.trimmer.moved(sum(written.sizes))  # rule 7
+            self.returning.moved(sum(written.sizes))  # rule 7
         return written
 
     def _store(self, item: Any) -> _Written | None:
@@ -827,14 +876,17 @@ def _outcome(item: Any, size: int) -> Reason:
 
 
 def _read_ahead(
-    extent: _Extent, written: Outcome[_Written | None], layout: Layout | None, trimmer: Trimmer
+    extent: _Extent,
+    written: Outcome[_Written | None],
+    layout: Layout | None,
+    returning: _Returning,
 ) -> Tensor | None:
     """A read-ahead's job: the value's bytes, or None when there is nothing to read."""
     done = written.result()
     if done is None or done.kept is not None or extent.released:
         return None
     data = _read(extent, done, layout)
-    trimmer.moved()  # rule 7
+    returning.moved()  # rule 7
     return data
 
 

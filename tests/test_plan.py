@@ -22,6 +22,7 @@ from torch import nn
 from zoo import Block
 
 import tensorstash as ts
+from tensorstash import _pool
 from tensorstash.plan import HOOK_S, Rates, make_plan, weighted_median
 from tensorstash.profile import ModuleRecord, SiteRecord, StepRecord
 
@@ -585,6 +586,13 @@ def _no_trim_thread_within(timeout_s: float = 5.0) -> bool:
     return True
 
 
+@pytest.fixture
+def no_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the session pool, as where it is not built (NOTE [ Session pool ] rule 4)."""
+    monkeypatch.setattr(_pool, "compiled", None)
+
+
+@pytest.mark.usefixtures("no_pool")
 def test_auto_trims_in_a_planned_cpu_step_until_its_tensors_are_freed() -> None:
     model = fresh()
     budget = activation_bytes(model, data()) // 2
@@ -615,6 +623,38 @@ def test_auto_trims_in_a_planned_cpu_step_until_its_tensors_are_freed() -> None:
     gc.collect()
     assert _no_trim_thread_within()
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+@pytest.mark.skipif(_pool.compiled is None, reason="the session pool is not built")
+def test_auto_holds_the_session_pool_in_a_planned_cpu_step_until_its_tensors_are_freed() -> None:
+    plain, model = fresh(), fresh()
+    budget = activation_bytes(model, data()) // 2
+    profile = ticking()
+    auto = ts.Auto(device_budget=budget, trim_every=1 << 20)
+    before = _pool.counts()
+    train(plain, 4)
+    sessions = train(model, 4, auto, profile)  # the first step measures: no plan, no pool
+    assert all(s.plan is not None and s.plan.choices for s in sessions[1:])
+    assert _pool.counts().misses > before.misses  # type: ignore[union-attr]
+    assert sum(s.stats.returns for s in sessions) == 0  # the pool returned it: no trims
+    assert_same_weights(plain, model)
+    assert _no_trim_thread_within() and not _pool.installed()
+    with ts.stash(auto, profile=profile) as session:
+        loss = model(data())
+    assert session.plan is not None and session.plan.choices
+    assert _pool.installed()  # while the graph holds saved tensors
+    loss.backward()
+    assert _no_trim_thread_within() and not _pool.installed()
+    with ts.stash(auto, profile=profile):  # a graph dropped without backward
+        loss = model(data())
+    del loss
+    gc.collect()
+    assert _no_trim_thread_within() and not _pool.installed()
+    with pytest.raises(RuntimeError, match="boom"), ts.stash(auto, profile=profile):
+        model(data())
+        raise RuntimeError("boom")
+    gc.collect()
+    assert _no_trim_thread_within() and not _pool.installed()
 
 
 @pytest.mark.filterwarnings("ignore:tensorstash.Auto. device_budget")
@@ -920,6 +960,7 @@ def test_plan_prices_the_calls_that_hand_memory_back() -> None:
     assert kept is not None and kept.trim_s == 0.0
 
 
+@pytest.mark.usefixtures("no_pool")
 def test_profile_times_what_a_planned_cpu_step_spends_handing_memory_back() -> None:
     model = fresh()
     budget = activation_bytes(model, data()) // 2

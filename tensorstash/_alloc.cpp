@@ -1,0 +1,269 @@
+// The session pool: PyTorch's CPU allocator while a session that frees memory
+// runs (NOTE [ Session pool ] in _pool.py).
+//
+// A block of at least `least` bytes is a mapping of its own. Freed, it waits in
+// the pool for a request of its size, up to `cap` bytes in all; past that, and
+// once the pool is uninstalled, it is unmapped at once, so its pages leave the
+// process. Smaller requests go to the allocator that was installed before.
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+
+#include <pthread.h>
+#include <sys/mman.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <new>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr size_t kPage = 4096;
+
+size_t whole_pages(size_t n) { return (n + kPage - 1) & ~(kPage - 1); }
+
+struct Counts {
+  int64_t hits = 0;      // requests served by a block waiting in the pool
+  int64_t misses = 0;    // requests that mapped a new block
+  int64_t unmapped = 0;  // blocks unmapped when freed or at uninstall
+  int64_t unmapped_bytes = 0;
+};
+
+class Pool final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    c10::Allocator* before = before_;
+    if (nbytes < least_ || before == nullptr) {
+      return (before != nullptr ? before : c10::GetDefaultCPUAllocator())->allocate(nbytes);
+    }
+    size_t size = whole_pages(nbytes);
+    void* block = take(size);
+    if (block == nullptr) {
+      block = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (block == MAP_FAILED) {
+        return before->allocate(nbytes);  // its own error where memory is out
+      }
+      std::lock_guard<std::mutex> guard(mutex_);
+      sizes_[block] = size;
+      live_ += size;
+      counts_.misses++;
+    }
+    return {block, block, &Pool::free_block, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &Pool::free_block; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  bool install(size_t cap, size_t least) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    cap_ = cap;
+    least_ = least;
+    if (before_ == nullptr) {
+      c10::Allocator* current = c10::GetCPUAllocator();
+      if (current == this) {
+        return false;
+      }
+      c10::SetCPUAllocator(this, /*priority=*/0);  // no-op under a higher one's
+      if (c10::GetCPUAllocator() != this) {
+        return false;
+      }
+      before_ = current;
+    }
+    return true;
+  }
+
+  void set_cap(size_t cap) {
+    std::vector<std::pair<void*, size_t>> drop;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      cap_ = cap;
+      while (cached_ > cap_ && !waiting_.empty()) {
+        auto last = std::prev(waiting_.end());
+        drop.emplace_back(last->second, last->first);
+        forget(last->second, last->first);
+        waiting_.erase(last);
+      }
+    }
+    unmap(drop);
+  }
+
+  void uninstall() {
+    std::vector<std::pair<void*, size_t>> drop;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      if (before_ == nullptr) {
+        return;
+      }
+      if (c10::GetCPUAllocator() == this) {
+        c10::SetCPUAllocator(before_, /*priority=*/0);
+      }
+      before_ = nullptr;
+      for (auto& [size, block] : waiting_) {
+        drop.emplace_back(block, size);
+        forget(block, size);
+      }
+      waiting_.clear();
+    }
+    unmap(drop);
+  }
+
+  std::vector<int64_t> counts() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    return {counts_.hits,
+            counts_.misses,
+            counts_.unmapped,
+            counts_.unmapped_bytes,
+            static_cast<int64_t>(cached_),
+            static_cast<int64_t>(live_)};
+  }
+
+  bool installed() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    return before_ != nullptr;
+  }
+
+  void after_fork_in_child() { new (&mutex_) std::mutex(); }
+
+  static void free_block(void* block);
+
+ private:
+  // A block waiting in the pool whose size is at least `size` and wastes at most
+  // an eighth of it, the smallest such; nullptr when none.
+  void* take(size_t size) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    auto found = waiting_.lower_bound(size);
+    if (found == waiting_.end() || found->first > size + size / 8) {
+      return nullptr;
+    }
+    void* block = found->second;
+    cached_ -= found->first;
+    live_ += found->first;
+    waiting_.erase(found);
+    counts_.hits++;
+    return block;
+  }
+
+  void release(void* block) {
+    size_t size;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      auto found = sizes_.find(block);
+      if (found == sizes_.end()) {
+        return;  // cannot happen: every block this pool hands out is in sizes_
+      }
+      size = found->second;
+      live_ -= size;
+      if (before_ != nullptr && cached_ + size <= cap_) {
+        waiting_.emplace(size, block);
+        cached_ += size;
+        return;
+      }
+      sizes_.erase(found);
+      counts_.unmapped++;
+      counts_.unmapped_bytes += static_cast<int64_t>(size);
+    }
+    munmap(block, size);
+  }
+
+  // Under the lock: a waiting block leaves the pool for good.
+  void forget(void* block, size_t size) {
+    sizes_.erase(block);
+    cached_ -= size;
+    counts_.unmapped++;
+    counts_.unmapped_bytes += static_cast<int64_t>(size);
+  }
+
+  static void unmap(const std::vector<std::pair<void*, size_t>>& blocks) {
+    for (const auto& [block, size] : blocks) {
+      munmap(block, size);
+    }
+  }
+
+  std::mutex mutex_;
+  c10::Allocator* before_ = nullptr;  // the allocator installed before; nullptr: not installed
+  size_t cap_ = 0;
+  size_t least_ = 128 * 1024;
+  size_t cached_ = 0;  // bytes of the blocks waiting
+  size_t live_ = 0;    // bytes of the blocks in use
+  std::multimap<size_t, void*> waiting_;
+  std::unordered_map<void*, size_t> sizes_;  // every block mapped and not yet unmapped
+  Counts counts_;
+};
+
+Pool* pool() {
+  static Pool* the_pool = new Pool();  // never destroyed: blocks may be freed at exit
+  return the_pool;
+}
+
+void Pool::free_block(void* block) { pool()->release(block); }
+
+void child_after_fork() { pool()->after_fork_in_child(); }
+
+PyObject* py_install(PyObject*, PyObject* args) {
+  unsigned long long cap, least;
+  if (!PyArg_ParseTuple(args, "KK", &cap, &least)) {
+    return nullptr;
+  }
+  bool done;
+  Py_BEGIN_ALLOW_THREADS done = pool()->install(cap, least);
+  Py_END_ALLOW_THREADS
+  return PyBool_FromLong(done);
+}
+
+PyObject* py_set_cap(PyObject*, PyObject* args) {
+  unsigned long long cap;
+  if (!PyArg_ParseTuple(args, "K", &cap)) {
+    return nullptr;
+  }
+  Py_BEGIN_ALLOW_THREADS pool()->set_cap(cap);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+PyObject* py_uninstall(PyObject*, PyObject*) {
+  Py_BEGIN_ALLOW_THREADS pool()->uninstall();
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+PyObject* py_installed(PyObject*, PyObject*) { return PyBool_FromLong(pool()->installed()); }
+
+PyObject* py_counts(PyObject*, PyObject*) {
+  std::vector<int64_t> c = pool()->counts();
+  return Py_BuildValue("(LLLLLL)", c[0], c[1], c[2], c[3], c[4], c[5]);
+}
+
+PyMethodDef methods[] = {
+    {"install", py_install, METH_VARARGS,
+     "install(cap, least): serve CPU blocks of at least `least` bytes from the pool, "
+     "keeping up to `cap` bytes of freed blocks; False where it cannot (another "
+     "allocator was installed with a higher priority)."},
+    {"set_cap", py_set_cap, METH_VARARGS, "set_cap(cap): keep up to `cap` bytes of freed blocks."},
+    {"uninstall", py_uninstall, METH_NOARGS,
+     "Give the CPU allocator back and unmap the blocks waiting; blocks in use are "
+     "unmapped when freed."},
+    {"installed", py_installed, METH_NOARGS, "Whether the pool serves CPU allocations."},
+    {"counts", py_counts, METH_NOARGS,
+     "(hits, misses, unmapped, unmapped_bytes, cached_bytes, live_bytes)."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_alloc", "The session pool (see _pool.py).", -1,
+                      methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__alloc() {
+  pthread_atfork(nullptr, nullptr, child_after_fork);
+  return PyModule_Create(&module);
+}

@@ -1,0 +1,174 @@
+"""The session pool (NOTE [ Session pool ] in tensorstash/_pool.py)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import tensorstash as ts
+from tensorstash import _pool
+
+MiB = 1 << 20
+
+pytestmark = pytest.mark.skipif(_pool.compiled is None, reason="the session pool is not built")
+
+
+def counts() -> _pool.PoolCounts:
+    found = _pool.counts()
+    assert found is not None
+    return found
+
+
+def test_pool_serves_large_cpu_blocks_only_while_leased() -> None:
+    assert not _pool.installed()
+    before = counts()
+    lease = _pool.lease(8 * MiB)
+    assert lease is not None and _pool.installed()
+    small = torch.empty(1024)  # 4 KiB: the allocator installed before serves it
+    assert counts().misses == before.misses
+    block = torch.empty(MiB // 4)  # 1 MiB: a mapping of its own
+    assert counts().misses == before.misses + 1
+    assert counts().live_bytes - before.live_bytes == MiB
+    del block
+    assert counts().cached_bytes == MiB  # waits for a request of its size
+    again = torch.ones(MiB // 4 - 100)  # a little smaller: the same block, filled anew
+    assert counts().hits == before.hits + 1 and counts().cached_bytes == 0
+    assert bool((again == 1).all())
+    lease.close()
+    lease.close()  # twice is harmless
+    assert not _pool.installed()
+    del again, small
+    gc.collect()
+    after = counts()
+    assert after.live_bytes == before.live_bytes and after.cached_bytes == 0
+
+
+def test_pool_unmaps_freed_blocks_past_its_cap_and_after_it_is_uninstalled() -> None:
+    before = counts()
+    lease = _pool.lease(2 * MiB)
+    assert lease is not None
+    blocks = [torch.empty(MiB // 4) for _ in range(4)]
+    del blocks[:]
+    assert counts().cached_bytes == 2 * MiB  # the cap
+    assert counts().unmapped_bytes - before.unmapped_bytes == 2 * MiB
+    kept = torch.empty(MiB // 4)  # one that waited, in use when the pool goes
+    lease.close()
+    assert counts().cached_bytes == 0  # the other one waiting left with it
+    assert counts().unmapped_bytes - before.unmapped_bytes == 3 * MiB
+    del kept  # freed after: unmapped at once
+    after = counts()
+    assert after.unmapped_bytes - before.unmapped_bytes == 4 * MiB
+    assert after.live_bytes == before.live_bytes
+
+
+def test_pool_stays_while_any_lease_holds_it_with_the_largest_cap() -> None:
+    first, second = _pool.lease(MiB), _pool.lease(4 * MiB)
+    assert first is not None and second is not None
+    blocks = [torch.empty(MiB // 4) for _ in range(3)]
+    del blocks[:]
+    assert counts().cached_bytes == 3 * MiB  # under the larger cap
+    second.close()
+    assert _pool.installed() and counts().cached_bytes == MiB  # the cap left
+    del second
+    gc.collect()
+    assert _pool.installed()
+    first.close()
+    assert not _pool.installed()
+
+
+def test_pool_blocks_carry_bitwise_values_across_every_operation() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+    x = torch.randn(256, 512)
+    model(x).square().sum().backward()
+    plain = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad(set_to_none=True)
+    lease = _pool.lease(16 * MiB)
+    assert lease is not None
+    before = counts()
+    try:
+        model(x).square().sum().backward()
+    finally:
+        lease.close()
+    assert counts().misses > before.misses  # activations and gradients came from the pool
+    for got, want in zip(model.parameters(), plain, strict=True):
+        assert torch.equal(got.grad, want)  # type: ignore[arg-type]
+
+
+def test_disk_spill_takes_the_pool_once_it_wrote_trim_every_and_gives_it_back(
+    tmp_path: Path,
+) -> None:
+    x = torch.randn(MiB // 4, requires_grad=True)  # 1 MiB
+    with ts.stash(ts.DiskSpill(tmp_path, trim_every=4 * MiB), min_bytes=0) as session:
+        y = x
+        for _ in range(2):  # 2 MiB written: less than it may keep, no pool
+            y = (y * 2).sin()
+        assert not _pool.installed()
+        for _ in range(4):
+            y = (y * 2).sin()
+        deadline = time.monotonic() + 5
+        while not _pool.installed() and time.monotonic() < deadline:
+            time.sleep(0.001)  # the writer may still be at work
+        assert _pool.installed()
+    y.sum().backward()
+    del y
+    gc.collect()
+    assert not _pool.installed()  # back once the graph was freed
+    assert session.stats.live_bytes == 0
+    untrimmed = ts.DiskSpill(tmp_path, trim_every=None)
+    with ts.stash(untrimmed, min_bytes=0):
+        y = x
+        for _ in range(8):
+            y = (y * 2).sin()
+        time.sleep(0.05)
+        assert not _pool.installed()  # trim_every=None: nothing is handed back
+    y.sum().backward()
+
+
+def test_disk_spill_with_the_pool_gives_bitwise_gradients_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(6)])
+    x = torch.randn(1024, 256)  # 1 MiB a saved tensor
+    model(x).sum().backward()
+    plain = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    before = counts()
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with ts.stash(ts.DiskSpill(tmp_path, trim_every=2 * MiB), min_bytes=0) as session:
+            loss = model(x).sum()
+        loss.backward()
+        del loss
+        gc.collect()
+        assert not _pool.installed()
+        assert session.stats.live_bytes == 0
+        for got, want in zip(model.parameters(), plain, strict=True):
+            assert torch.equal(got.grad, want)  # type: ignore[arg-type]
+    assert counts().hits > before.hits  # written activations' blocks served later ones
+    assert [p for d in tmp_path.iterdir() for p in d.iterdir()] == []
+
+
+def test_a_child_forked_while_the_pool_serves_allocates_and_exits() -> None:
+    lease = _pool.lease(4 * MiB)
+    assert lease is not None
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: the pool's lock is its own
+            try:  # no kernel here: OpenMP's threads do not survive a fork
+                blocks = [torch.empty(MiB // 4) for _ in range(3)]
+                del blocks[1:]
+                again = torch.empty(MiB // 4)
+                os._exit(0 if again.numel() == MiB // 4 else 1)
+            except BaseException:
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        lease.close()
