@@ -2,9 +2,11 @@
 // runs (NOTE [ Session pool ] in _pool.py).
 //
 // A block of at least `least` bytes is a mapping of its own. Freed, it waits in
-// the pool for a request of its size, up to `cap` bytes in all; past that, and
-// once the pool is uninstalled, it is unmapped at once, so its pages leave the
-// process. Smaller requests go to the allocator that was installed before.
+// the pool for a request of its size, up to `cap` bytes in all: past that the
+// oldest blocks waiting are unmapped, and all of them once the pool is
+// uninstalled; a block freed after that is unmapped at once. Unmapped pages
+// leave the process.
+// Smaller requests go to the allocator that was installed before.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -16,6 +18,7 @@
 #include <sys/mman.h>
 
 #include <cstdint>
+#include <list>
 #include <map>
 #include <mutex>
 #include <new>
@@ -87,11 +90,8 @@ class Pool final : public c10::Allocator {
     {
       std::lock_guard<std::mutex> guard(mutex_);
       cap_ = cap;
-      while (cached_ > cap_ && !waiting_.empty()) {
-        auto last = std::prev(waiting_.end());
-        drop.emplace_back(last->second, last->first);
-        forget(last->second, last->first);
-        waiting_.erase(last);
+      while (cached_ > cap_) {
+        evict_oldest(drop);
       }
     }
     unmap(drop);
@@ -108,11 +108,9 @@ class Pool final : public c10::Allocator {
         c10::SetCPUAllocator(before_, /*priority=*/0);
       }
       before_ = nullptr;
-      for (auto& [size, block] : waiting_) {
-        drop.emplace_back(block, size);
-        forget(block, size);
+      while (!order_.empty()) {
+        evict_oldest(drop);
       }
-      waiting_.clear();
     }
     unmap(drop);
   }
@@ -137,17 +135,23 @@ class Pool final : public c10::Allocator {
   static void free_block(void* block);
 
  private:
+  using Waiting = std::list<std::pair<size_t, void*>>;  // oldest first
+
   // A block waiting in the pool whose size is at least `size` and wastes at most
-  // an eighth of it, the smallest such; nullptr when none.
+  // an eighth of it, the smallest such; nullptr when none. (Unmapping the oldest
+  // blocks waiting on such a miss held less, but the blocks a later request would
+  // have taken were then mapped and faulted in anew: NOTE [ Session pool ] rule 3.)
   void* take(size_t size) {
     std::lock_guard<std::mutex> guard(mutex_);
     auto found = waiting_.lower_bound(size);
     if (found == waiting_.end() || found->first > size + size / 8) {
       return nullptr;
     }
-    void* block = found->second;
+    Waiting::iterator entry = found->second;
+    void* block = entry->second;
     cached_ -= found->first;
     live_ += found->first;
+    order_.erase(entry);
     waiting_.erase(found);
     counts_.hits++;
     return block;
@@ -155,6 +159,7 @@ class Pool final : public c10::Allocator {
 
   void release(void* block) {
     size_t size;
+    std::vector<std::pair<void*, size_t>> drop;
     {
       std::lock_guard<std::mutex> guard(mutex_);
       auto found = sizes_.find(block);
@@ -163,24 +168,41 @@ class Pool final : public c10::Allocator {
       }
       size = found->second;
       live_ -= size;
-      if (before_ != nullptr && cached_ + size <= cap_) {
-        waiting_.emplace(size, block);
+      if (before_ != nullptr && size <= cap_) {
+        while (cached_ + size > cap_) {
+          evict_oldest(drop);  // the newest block freed waits; the oldest leave
+        }
+        order_.emplace_back(size, block);
+        waiting_.emplace(size, std::prev(order_.end()));
         cached_ += size;
-        return;
+      } else {
+        sizes_.erase(found);
+        counts_.unmapped++;
+        counts_.unmapped_bytes += static_cast<int64_t>(size);
+        drop.emplace_back(block, size);
       }
-      sizes_.erase(found);
-      counts_.unmapped++;
-      counts_.unmapped_bytes += static_cast<int64_t>(size);
     }
-    munmap(block, size);
+    unmap(drop);
   }
 
-  // Under the lock: a waiting block leaves the pool for good.
-  void forget(void* block, size_t size) {
+  // Under the lock: the oldest block waiting leaves the pool for good, into
+  // `drop` to be unmapped once the lock is let go; its size.
+  size_t evict_oldest(std::vector<std::pair<void*, size_t>>& drop) {
+    auto [size, block] = order_.front();
+    auto [first, last] = waiting_.equal_range(size);
+    for (auto it = first; it != last; ++it) {
+      if (it->second == order_.begin()) {
+        waiting_.erase(it);
+        break;
+      }
+    }
+    order_.pop_front();
     sizes_.erase(block);
     cached_ -= size;
     counts_.unmapped++;
     counts_.unmapped_bytes += static_cast<int64_t>(size);
+    drop.emplace_back(block, size);
+    return size;
   }
 
   static void unmap(const std::vector<std::pair<void*, size_t>>& blocks) {
@@ -195,7 +217,8 @@ class Pool final : public c10::Allocator {
   size_t least_ = 128 * 1024;
   size_t cached_ = 0;  // bytes of the blocks waiting
   size_t live_ = 0;    // bytes of the blocks in use
-  std::multimap<size_t, void*> waiting_;
+  Waiting order_;                                  // the blocks waiting, oldest first
+  std::multimap<size_t, Waiting::iterator> waiting_;  // the same, by size
   std::unordered_map<void*, size_t> sizes_;  // every block mapped and not yet unmapped
   Counts counts_;
 };

@@ -290,10 +290,10 @@ class Auto:
             pool's cap (NOTE [ Session pool ] in _pool.py), or, where there is
             no pool, the growth of the resident set after which a thread hands
             the allocator's free memory back to the OS (NOTE [ Returning
-            memory ] in _trim.py, rule 6). "auto": three quarters of the
-            step's activation bytes, at least 16 MiB, and only where the plan
-            holds at most two thirds of them (``Plan.returns_memory``). None:
-            neither.
+            memory ] in _trim.py, rule 6). "auto": a quarter of the step's
+            activation bytes for the pool (at least 8 MiB), three quarters for
+            trimming (at least 16 MiB), and only where the plan holds at most
+            two thirds of them (``Plan.returns_memory``). None: neither.
         device_probe, host_probe, clock: injected probes (see :class:`Select`).
 
     Example:
@@ -392,6 +392,9 @@ CPU_CONTENTION = 3.0
 
 TRIM_LEAST = 16 << 20
 """The least ``trim_every`` "auto" chooses (NOTE [ Returning memory ] in _trim.py, rule 6)."""
+
+POOL_LEAST = 8 << 20
+"""The least cap "auto" gives the session pool (NOTE [ Session pool ] in _pool.py, rule 3)."""
 
 RECENT_SHARE = 4
 """Auto keeps the tensors saved last in the last 1/RECENT_SHARE of its budget (rule 5)."""
@@ -597,12 +600,15 @@ class _AutoState:
         every = self.auto.trim_every
         if every is None or self.device_type != "cpu" or not plan.returns_memory:
             return
-        if every == "auto":
+        pooled = _pool.compiled is not None
+        if every == "auto" and pooled:
+            every = max(POOL_LEAST, plan.activation_bytes // 4)
+        elif every == "auto":
             every = max(TRIM_LEAST, plan.activation_bytes * 3 // 4)
         stats = self.stats
         every = int(parse_bytes(every, "tensorstash.Auto", "trim_every"))
-        self.watch = Watch(every, lambda: _holding(stats), counted=stats.returned,
-                           lease=_pool.lease(every))  # fmt: skip
+        lease = _pool.lease(every) if pooled else None
+        self.watch = Watch(every, lambda: _holding(stats), counted=stats.returned, lease=lease)
         self.watch.start()
 
     def _without_cache(self, root: nn.Module) -> None:
