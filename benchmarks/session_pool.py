@@ -106,6 +106,8 @@ def measure(args: argparse.Namespace, directory: str) -> None:
                     took = time.perf_counter() - start
             finally:
                 _pool.compiled = compiled
+            while _pool.installed():  # Auto's watch lets it go once it sees the graph freed
+                time.sleep(0.001)
             if round_ >= args.warmup:
                 times[name].append(took)
                 peaks[name].append(meter.delta_bytes)

@@ -33,12 +33,18 @@
    interleaved rounds, each step from a trimmed heap; growth of the resident
    set over the step against no stash's, step time against no stash's or
    checkpointing every block's in the same round; ``benchmarks/session_pool.py``):
-   a disk spill with the pool held 0.42 of
-   no stash's peak at 1.31x its step (faulting in 95 MiB a step), against 0.44
-   at 1.51x trimming (176 MiB); ``Auto`` at half the activation bytes held
-   0.56 at 0.83x checkpointing's step (69 MiB), against 0.63 at 0.98x
-   trimming (147 MiB), where checkpointing held 0.74. A disk spill with the
-   pool from its first spill held 0.39-0.40 at 1.17-1.22x (rule 2).
+   a disk spill with the pool held 0.45 of no stash's peak at 1.32x its step
+   (faulting in 89 MiB a step), against 0.45 at 1.50x trimming (152 MiB);
+   ``Auto`` at half the activation bytes held 0.49 at 0.88x checkpointing's
+   step (77 MiB), against 0.70 at 1.01x trimming (120 MiB), where
+   checkpointing held 0.83. ``Auto``'s cap, "auto", is a quarter of the
+   step's activation bytes (at least 8 MiB; ``auto.POOL_LEAST``): at three
+   quarters, its trimming threshold, blocks no later request fitted (under
+   bf16 autocast, casts and activations of other sizes) kept the sweep's
+   bf16 ``auto:50%`` at 0.98 of no stash's peak, against 0.71 at a quarter.
+   Unmapping the oldest blocks waiting whenever a request found none that
+   fits held less (0.35 and 0.60) but mapped and faulted in anew the blocks
+   later requests would have taken: 1.03x and 1.29x checkpointing's step.
 4. The pool is installed while any session holds a :class:`Lease` (a disk
    spill's from rule 2's point until its graph is freed, ``Auto``'s over the
    step its ``Watch`` covers), with the largest cap asked for; the allocator
@@ -119,20 +125,20 @@ _caps: dict[int, int] = {}  # lease id -> the cap it asked for
 class Lease:
     """A session's hold on the pool (rule 4); :meth:`close` ends it (twice is harmless)."""
 
-    __slots__ = ("_id",)
+    __slots__ = ("_id", "_pool")
 
-    def __init__(self, lease_id: int) -> None:
+    def __init__(self, lease_id: int, pool: ModuleType) -> None:
         self._id = lease_id
+        self._pool = pool  # the extension it was taken from, whatever ``compiled`` says later
 
     def close(self) -> None:
         with _lock:
             if _caps.pop(self._id, None) is None:
                 return
-            assert compiled is not None
             if _caps:
-                compiled.set_cap(max(_caps.values()))
+                self._pool.set_cap(max(_caps.values()))
             else:
-                compiled.uninstall()
+                self._pool.uninstall()
 
     def __del__(self) -> None:
         self.close()
@@ -146,13 +152,14 @@ def lease(cap: int) -> Lease | None:
     bytes of freed blocks (rule 1). None where there is no pool (rule 5)."""
     if compiled is None:
         return None
+    pool = compiled
     with _lock:
         lease_id = next(_next_id)
         _caps[lease_id] = cap
-        if not compiled.install(max(_caps.values()), LEAST):
+        if not pool.install(max(_caps.values()), LEAST):
             del _caps[lease_id]
             return None
-        return Lease(lease_id)
+        return Lease(lease_id, pool)
 
 
 def _forget_in_child() -> None:
