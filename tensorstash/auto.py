@@ -517,8 +517,11 @@ class _AutoState:
             return
         quiet = profile.went_quiet(module, tuple(path for path, _ in self.recomputed))
         if self.watch is not None and quiet is not None:
-            # The stats count nothing now: trim until the backward through the output ends.
+            # The stats count nothing now: trim until the backward through the output ends,
+            # and let the session pool go then, not at the watch's next look.
             self.watch.holding = lambda: not quiet.ended
+            if self.watch.lease is not None:
+                quiet.when_ended.append(self.watch.lease.close)
 
     def _drop_root_hook(self) -> None:
         if self.root_hook is not None:

@@ -1024,6 +1024,7 @@ class _QuietStep:
         self.forward_end: Any = None
         self.end: Any = None
         self.ended = False
+        self.when_ended: list[Callable[[], object]] = []  # called once, as it ends
         self._queued = False
         self._handle = root.register_forward_hook(self._forward_ended)
 
@@ -1035,7 +1036,7 @@ class _QuietStep:
             None,
         )
         if tensor is None:
-            self.ended = True  # no backward goes through the model's output
+            self._end()  # no backward goes through the model's output
             return
         tensor.register_hook(self._backward_reached)
         weakref.finalize(tensor, self._freed)
@@ -1050,10 +1051,18 @@ class _QuietStep:
         self.faulted = faulted_since(self.faults) or 0
         if self.stats is not None:
             self.trim_s = self.stats.returned_seconds - self.trims
-        self.ended = True
+        self._end()
 
     def _freed(self) -> None:
+        self._end()
+
+    def _end(self) -> None:
+        if self.ended:
+            return
         self.ended = True
+        for call in self.when_ended:
+            call()
+        self.when_ended = []
 
     def over(self) -> bool:
         """Whether nothing more will come of it: it ended, and its times were taken or lost."""
