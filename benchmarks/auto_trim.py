@@ -7,7 +7,9 @@ share of the step's eligible activation bytes, with a Profile, once per
 ``trim_every`` value. Measured per step: time, and the real peak growth of the
 resident set (Linux's ``VmHWM``, reset before the step, after
 ``gc.collect()`` and ``malloc_trim(0)``). Rounds after ``--warmup`` count;
-figures are medians of same-round ratios.
+figures are medians of same-round ratios. Where the session pool is built,
+``trim_every`` is its cap; ``TENSORSTASH_POOL=0`` in the environment measures the
+trimming instead (NOTE [ Session pool ] in tensorstash/_pool.py).
 
 Run: python benchmarks/auto_trim.py [--budget 0.5] [--trim none,64,48,32,16]
      [--rounds 12] [--warmup 2]
@@ -21,11 +23,11 @@ import time
 import warnings
 from collections.abc import Callable
 
-import torch
+from gpt2_step import gpt2_step, median_ratio
 from torch import Tensor
 
 import tensorstash as ts
-from tensorstash.bench import HF_GPT2, PeakRss, builtin_workload, return_free_memory
+from tensorstash.bench import PeakRss, return_free_memory
 
 
 def main() -> None:
@@ -36,24 +38,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(2)
-    workload = builtin_workload(HF_GPT2, seed=0)  # needs transformers
-    model, batch, checkpointing = workload.model.train(), workload.batch, workload.checkpointing
-    assert checkpointing is not None
-
-    def forward() -> Tensor:
-        loss: Tensor = model(*batch)
-        return loss
-
-    with ts.stash(ts.Keep()) as probe:
-        loss = forward()
-    loss.backward()
-    activation = probe.stats.tiers["kept"].peak_bytes
+    step = gpt2_step()
+    model, forward, checkpointed = step.model, step.forward, step.checkpointed
+    activation = step.activation_bytes
     budget = int(activation * args.budget)
-
-    def checkpointed() -> Tensor:
-        with checkpointing():
-            return forward()
 
     variants: dict[str, Callable[[], Tensor]] = {"none": forward, "checkpoint": checkpointed}
     plans: dict[str, ts.Plan | None] = {}
@@ -85,9 +73,7 @@ def main() -> None:
                 times[name].append(took)
                 peaks[name].append(meter.delta_bytes)
 
-    def ratio(values: dict[str, list[float]] | dict[str, list[int]], a: str, b: str) -> float:
-        return statistics.median(x / y for x, y in zip(values[a], values[b], strict=True))
-
+    ratio = median_ratio
     print(
         f"HF GPT-2 (4 layers, d=256, batch 4x128), CPU, 2 threads: activations "
         f"{activation / 2**20:.1f} MiB, Auto's budget {budget / 2**20:.1f} MiB "

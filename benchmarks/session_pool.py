@@ -21,12 +21,12 @@ import time
 import warnings
 from collections.abc import Callable
 
-import torch
+from gpt2_step import gpt2_step, median_ratio
 from torch import Tensor
 
 import tensorstash as ts
 from tensorstash import _pool
-from tensorstash.bench import HF_GPT2, PeakRss, builtin_workload, return_free_memory
+from tensorstash.bench import PeakRss, return_free_memory
 
 
 def main() -> None:
@@ -48,24 +48,10 @@ def measure(args: argparse.Namespace, directory: str) -> None:
     if _pool.compiled is None:
         raise SystemExit("the session pool is not built here (see the README's install notes)")
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(2)
-    workload = builtin_workload(HF_GPT2, seed=0)  # needs transformers
-    model, batch, checkpointing = workload.model.train(), workload.batch, workload.checkpointing
-    assert checkpointing is not None
-
-    def forward() -> Tensor:
-        loss: Tensor = model(*batch)
-        return loss
-
-    with ts.stash(ts.Keep()) as probe:
-        loss = forward()
-    loss.backward()
-    activation = probe.stats.tiers["kept"].peak_bytes
+    step = gpt2_step()
+    model, forward, checkpointed = step.model, step.forward, step.checkpointed
+    activation = step.activation_bytes
     budget = int(activation * args.budget)
-
-    def checkpointed() -> Tensor:
-        with checkpointing():
-            return forward()
 
     def spilled() -> Tensor:
         with ts.stash(ts.DiskSpill(directory)):
@@ -113,9 +99,7 @@ def measure(args: argparse.Namespace, directory: str) -> None:
                 peaks[name].append(meter.delta_bytes)
                 faults[name].append(meter.faulted_bytes or 0)
 
-    def ratio(values: dict[str, list[float]] | dict[str, list[int]], a: str, b: str) -> float:
-        return statistics.median(x / y for x, y in zip(values[a], values[b], strict=True))
-
+    ratio = median_ratio
     print(
         f"HF GPT-2 (4 layers, d=256, batch 4x128), CPU, 2 threads: activations "
         f"{activation / 2**20:.1f} MiB, Auto's budget {budget / 2**20:.1f} MiB; "
