@@ -141,7 +141,8 @@ class Lease:
                 self._pool.uninstall()
 
     def __del__(self) -> None:
-        self.close()
+        if _caps is not None:  # None while the interpreter shuts down
+            self.close()
 
 
 _next_id = iter(range(1, 1 << 62))
