@@ -73,16 +73,17 @@
    that step 0.06-0.1x less again (the kernel allocates page-cache pages at
    about 5 GB/s here, and copies into existing ones at 15), but such a file
    would outlive the graph that wrote it: it is not kept.
-7. Bytes a spill frees must leave the process. From its first spill until its
-   graph is freed, a session holds the session pool (NOTE [ Session pool ] in
-   _pool.py) with ``trim_every`` as its cap: a written activation's block
-   waits there for the next activation of its size, or is unmapped on the
-   writer's thread. Where there is no pool, once the resident set grew by
-   ``trim_every`` bytes, whoever wrote or read the last value (rule 3) hands
-   the allocator's free memory back to the OS (NOTE [ Returning memory ] in
-   _trim.py; in a training loop growth counts from where the last spill step
-   handed memory back, rule 11 there). Read buffers are the stash's own and
-   go back to their pool, or the OS, when their tensor dies.
+7. Bytes a spill frees must leave the process. Once a session has written
+   ``trim_every`` bytes, and until its graph is freed, it holds the session
+   pool (NOTE [ Session pool ] in _pool.py, rule 2) with ``trim_every`` as its
+   cap: a written activation's block waits there for the next activation of
+   its size, or is unmapped on the writer's thread. Until then, and where
+   there is no pool, once the resident set grew by ``trim_every`` bytes,
+   whoever wrote or read the last value (rule 3) hands the allocator's free
+   memory back to the OS (NOTE [ Returning memory ] in _trim.py; in a
+   training loop growth counts from where the last spill step handed memory
+   back, rule 11 there). Read buffers are the stash's own and go back to
+   their pool, or the OS, when their tensor dies.
 8. The private directory is removed at exit (atexit, or multiprocessing's exit
    for its children); directories left by dead processes of the same user are
    removed when a new one is made. A forked child makes its own directory and
