@@ -176,18 +176,14 @@ class Pool final : public c10::Allocator {
         waiting_.emplace(size, std::prev(order_.end()));
         cached_ += size;
       } else {
-        sizes_.erase(found);
-        counts_.unmapped++;
-        counts_.unmapped_bytes += static_cast<int64_t>(size);
-        drop.emplace_back(block, size);
+        leave(block, size, drop);
       }
     }
     unmap(drop);
   }
 
-  // Under the lock: the oldest block waiting leaves the pool for good, into
-  // `drop` to be unmapped once the lock is let go; its size.
-  size_t evict_oldest(std::vector<std::pair<void*, size_t>>& drop) {
+  // Under the lock: the oldest block waiting leaves the pool for good.
+  void evict_oldest(std::vector<std::pair<void*, size_t>>& drop) {
     auto [size, block] = order_.front();
     auto [first, last] = waiting_.equal_range(size);
     for (auto it = first; it != last; ++it) {
@@ -197,12 +193,17 @@ class Pool final : public c10::Allocator {
       }
     }
     order_.pop_front();
-    sizes_.erase(block);
     cached_ -= size;
+    leave(block, size, drop);
+  }
+
+  // Under the lock: a block leaves the pool for good, into `drop` to be unmapped
+  // once the lock is let go.
+  void leave(void* block, size_t size, std::vector<std::pair<void*, size_t>>& drop) {
+    sizes_.erase(block);
     counts_.unmapped++;
     counts_.unmapped_bytes += static_cast<int64_t>(size);
     drop.emplace_back(block, size);
-    return size;
   }
 
   static void unmap(const std::vector<std::pair<void*, size_t>>& blocks) {
