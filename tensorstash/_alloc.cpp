@@ -2,10 +2,15 @@
 // runs (NOTE [ Session pool ] in _pool.py).
 //
 // A block of at least `least` bytes is a mapping of its own. Freed, it waits in
-// the pool for a request of its size, up to `cap` bytes in all: past that the
-// oldest blocks waiting are unmapped, and all of them once the pool is
-// uninstalled; a block freed after that is unmapped at once. Unmapped pages
-// leave the process.
+// the pool, its pages resident, and serves a later request: whole if it is at
+// most an eighth larger, else split (the tail waits on its own), or grown in
+// place by mremap where no block waiting is large enough, so that only the
+// pages it lacks are faulted in. The blocks waiting may hold `cap` bytes, or,
+// while the blocks in use hold less than the most they held since the pool was
+// installed, up to that difference: the pool holds at most its high-water mark
+// plus `cap`. Past that the oldest blocks waiting are unmapped, and all of them
+// once the pool is uninstalled; a block freed after that is unmapped at once.
+// Unmapped pages leave the process.
 // Smaller requests go to the allocator that was installed before.
 
 #define PY_SSIZE_T_CLEAN
@@ -15,8 +20,12 @@
 #include <c10/core/CPUAllocator.h>
 
 #include <pthread.h>
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE  // mremap
+#endif
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <list>
 #include <map>
@@ -33,7 +42,8 @@ constexpr size_t kPage = 4096;
 size_t whole_pages(size_t n) { return (n + kPage - 1) & ~(kPage - 1); }
 
 struct Counts {
-  int64_t hits = 0;      // requests served by a block waiting in the pool
+  int64_t hits = 0;      // requests served by a block waiting in the pool, whole or split
+  int64_t grown = 0;     // requests served by a block waiting, grown
   int64_t misses = 0;    // requests that mapped a new block
   int64_t unmapped = 0;  // blocks unmapped when freed or at uninstall
   int64_t unmapped_bytes = 0;
@@ -47,17 +57,23 @@ class Pool final : public c10::Allocator {
       return (before != nullptr ? before : c10::GetDefaultCPUAllocator())->allocate(nbytes);
     }
     size_t size = whole_pages(nbytes);
-    void* block = take(size);
+    std::vector<std::pair<void*, size_t>> drop;
+    void* block = take(size, drop);
+    if (block == nullptr) {
+      block = grow(size, drop);
+    }
     if (block == nullptr) {
       block = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (block == MAP_FAILED) {
+        unmap(drop);
         return before->allocate(nbytes);  // its own error where memory is out
       }
       std::lock_guard<std::mutex> guard(mutex_);
       sizes_[block] = size;
-      live_ += size;
       counts_.misses++;
+      in_use(size, drop);
     }
+    unmap(drop);
     return {block, block, &Pool::free_block, c10::Device(c10::DeviceType::CPU)};
   }
 
@@ -81,6 +97,7 @@ class Pool final : public c10::Allocator {
         return false;
       }
       before_ = current;
+      high_ = live_;  // the high-water mark counts from here
     }
     return true;
   }
@@ -90,7 +107,7 @@ class Pool final : public c10::Allocator {
     {
       std::lock_guard<std::mutex> guard(mutex_);
       cap_ = cap;
-      while (cached_ > cap_) {
+      while (cached_ > allowed()) {
         evict_oldest(drop);
       }
     }
@@ -118,6 +135,7 @@ class Pool final : public c10::Allocator {
   std::vector<int64_t> counts() {
     std::lock_guard<std::mutex> guard(mutex_);
     return {counts_.hits,
+            counts_.grown,
             counts_.misses,
             counts_.unmapped,
             counts_.unmapped_bytes,
@@ -137,24 +155,93 @@ class Pool final : public c10::Allocator {
  private:
   using Waiting = std::list<std::pair<size_t, void*>>;  // oldest first
 
-  // A block waiting in the pool whose size is at least `size` and wastes at most
-  // an eighth of it, the smallest such; nullptr when none. (Unmapping the oldest
-  // blocks waiting on such a miss held less, but the blocks a later request would
-  // have taken were then mapped and faulted in anew: NOTE [ Session pool ] rule 3.)
-  void* take(size_t size) {
+  // What the blocks waiting may hold now (see the top of this file).
+  size_t allowed() const { return std::max(cap_, high_ - live_); }
+
+  // Under the lock: `size` bytes more in use; the blocks waiting past what they
+  // may hold now leave, oldest first, into `drop`.
+  void in_use(size_t size, std::vector<std::pair<void*, size_t>>& drop) {
+    live_ += size;
+    high_ = std::max(high_, live_);
+    while (cached_ > allowed()) {
+      evict_oldest(drop);
+    }
+  }
+
+  // Under the lock: the block waiting at `found` leaves the waiting lists.
+  void unlist(std::multimap<size_t, Waiting::iterator>::iterator found) {
+    cached_ -= found->first;
+    order_.erase(found->second);
+    waiting_.erase(found);
+  }
+
+  // Under the lock: `block` of `size` bytes waits, the newest.
+  void wait(void* block, size_t size) {
+    order_.emplace_back(size, block);
+    waiting_.emplace(size, std::prev(order_.end()));
+    cached_ += size;
+  }
+
+  // The smallest block waiting of at least `size` bytes: whole where it is at most
+  // an eighth larger, else split, its tail waiting on its own (or unmapped, where
+  // it is smaller than any block the pool serves). nullptr when none.
+  void* take(size_t size, std::vector<std::pair<void*, size_t>>& drop) {
     std::lock_guard<std::mutex> guard(mutex_);
     auto found = waiting_.lower_bound(size);
-    if (found == waiting_.end() || found->first > size + size / 8) {
+    if (found == waiting_.end()) {
       return nullptr;
     }
-    Waiting::iterator entry = found->second;
-    void* block = entry->second;
-    cached_ -= found->first;
-    live_ += found->first;
-    order_.erase(entry);
-    waiting_.erase(found);
+    size_t have = found->first;
+    void* block = found->second->second;
+    unlist(found);
+    if (have > size + size / 8) {
+      size_t rest = have - size;
+      void* tail = static_cast<char*>(block) + size;
+      sizes_[block] = size;
+      if (rest >= least_) {
+        sizes_[tail] = rest;
+        wait(tail, rest);
+      } else {
+        counts_.unmapped++;
+        counts_.unmapped_bytes += static_cast<int64_t>(rest);
+        drop.emplace_back(tail, rest);
+      }
+      have = size;
+    }
     counts_.hits++;
+    in_use(have, drop);
     return block;
+  }
+
+  // The largest block waiting (all are smaller than `size`), grown to `size` by
+  // mremap: its pages move resident, and only the rest are faulted in. nullptr
+  // when none waits.
+  void* grow(size_t size, std::vector<std::pair<void*, size_t>>& drop) {
+    void* block;
+    size_t have;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      if (waiting_.empty()) {
+        return nullptr;
+      }
+      auto largest = std::prev(waiting_.end());
+      have = largest->first;
+      block = largest->second->second;
+      unlist(largest);
+      sizes_.erase(block);
+    }
+    void* moved = mremap(block, have, size, MREMAP_MAYMOVE);
+    std::lock_guard<std::mutex> guard(mutex_);
+    if (moved == MAP_FAILED) {
+      counts_.unmapped++;
+      counts_.unmapped_bytes += static_cast<int64_t>(have);
+      drop.emplace_back(block, have);
+      return nullptr;
+    }
+    sizes_[moved] = size;
+    counts_.grown++;
+    in_use(size, drop);
+    return moved;
   }
 
   void release(void* block) {
@@ -168,13 +255,11 @@ class Pool final : public c10::Allocator {
       }
       size = found->second;
       live_ -= size;
-      if (before_ != nullptr && size <= cap_) {
-        while (cached_ + size > cap_) {
+      if (before_ != nullptr && size <= allowed()) {
+        while (cached_ + size > allowed()) {
           evict_oldest(drop);  // the newest block freed waits; the oldest leave
         }
-        order_.emplace_back(size, block);
-        waiting_.emplace(size, std::prev(order_.end()));
-        cached_ += size;
+        wait(block, size);
       } else {
         leave(block, size, drop);
       }
@@ -218,6 +303,7 @@ class Pool final : public c10::Allocator {
   size_t least_ = 128 * 1024;
   size_t cached_ = 0;  // bytes of the blocks waiting
   size_t live_ = 0;    // bytes of the blocks in use
+  size_t high_ = 0;    // the most live_ was since the pool was installed
   Waiting order_;                                  // the blocks waiting, oldest first
   std::multimap<size_t, Waiting::iterator> waiting_;  // the same, by size
   std::unordered_map<void*, size_t> sizes_;  // every block mapped and not yet unmapped
@@ -264,13 +350,13 @@ PyObject* py_installed(PyObject*, PyObject*) { return PyBool_FromLong(pool()->in
 
 PyObject* py_counts(PyObject*, PyObject*) {
   std::vector<int64_t> c = pool()->counts();
-  return Py_BuildValue("(LLLLLL)", c[0], c[1], c[2], c[3], c[4], c[5]);
+  return Py_BuildValue("(LLLLLLL)", c[0], c[1], c[2], c[3], c[4], c[5], c[6]);
 }
 
 PyMethodDef methods[] = {
     {"install", py_install, METH_VARARGS,
      "install(cap, least): serve CPU blocks of at least `least` bytes from the pool, "
-     "keeping up to `cap` bytes of freed blocks; False where it cannot (another "
+     "keeping up to `cap` bytes of freed blocks past the high-water mark; False where it cannot (another "
      "allocator was installed with a higher priority)."},
     {"set_cap", py_set_cap, METH_VARARGS, "set_cap(cap): keep up to `cap` bytes of freed blocks."},
     {"uninstall", py_uninstall, METH_NOARGS,
@@ -278,7 +364,7 @@ PyMethodDef methods[] = {
      "unmapped when freed."},
     {"installed", py_installed, METH_NOARGS, "Whether the pool serves CPU allocations."},
     {"counts", py_counts, METH_NOARGS,
-     "(hits, misses, unmapped, unmapped_bytes, cached_bytes, live_bytes)."},
+     "(hits, grown, misses, unmapped, unmapped_bytes, cached_bytes, live_bytes)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -49,29 +49,59 @@ def test_pool_serves_large_cpu_blocks_only_while_leased() -> None:
     assert after.live_bytes == before.live_bytes and after.cached_bytes == 0
 
 
-def test_pool_unmaps_freed_blocks_past_its_cap_and_after_it_is_uninstalled() -> None:
+def test_pool_keeps_freed_blocks_to_its_high_water_mark_plus_its_cap_and_unmaps_the_rest() -> None:
     before = counts()
     lease = _pool.lease(2 * MiB)
     assert lease is not None
     blocks = [torch.empty(MiB // 4) for _ in range(4)]
     del blocks[:]
-    assert counts().cached_bytes == 2 * MiB  # the cap
-    assert counts().unmapped_bytes - before.unmapped_bytes == 2 * MiB
-    kept = torch.empty(MiB // 4)  # one that waited, in use when the pool goes
-    lease.close()
-    assert counts().cached_bytes == 0  # the other one waiting left with it
+    assert counts().cached_bytes == 4 * MiB  # no more than the blocks in use held
+    big = torch.empty(4 * MiB)  # 16 MiB: the newest block waiting, grown
+    now = counts()
+    assert now.grown == before.grown + 1 and now.misses == before.misses + 4
+    assert now.cached_bytes == 2 * MiB  # at the high-water mark: the cap
+    assert now.unmapped_bytes - before.unmapped_bytes == MiB  # the oldest left
+    del big  # under the high-water mark: it waits, the oldest leave
+    assert counts().cached_bytes == 16 * MiB
     assert counts().unmapped_bytes - before.unmapped_bytes == 3 * MiB
+    kept = torch.empty(MiB // 4)  # the head of the 16 MiB block; the tail waits
+    assert counts().hits == before.hits + 1 and counts().cached_bytes == 15 * MiB
+    lease.close()
+    assert counts().cached_bytes == 0  # the tail left with the pool
+    assert counts().unmapped_bytes - before.unmapped_bytes == 18 * MiB
     del kept  # freed after: unmapped at once
     after = counts()
-    assert after.unmapped_bytes - before.unmapped_bytes == 4 * MiB
+    assert after.unmapped_bytes - before.unmapped_bytes == 19 * MiB
     assert after.live_bytes == before.live_bytes
+
+
+def test_pool_blocks_split_and_grown_carry_what_was_written_to_them() -> None:
+    lease = _pool.lease(MiB)
+    assert lease is not None
+    try:
+        before = counts()
+        block = torch.empty(MiB)  # 4 MiB
+        del block  # waiting
+        head = torch.full((MiB // 4,), 3.0)  # split from it
+        tail = torch.full((3 * MiB // 4,), 5.0)  # the rest: whole
+        assert counts().hits == before.hits + 2 and counts().misses == before.misses + 1
+        del head
+        grown = torch.arange(MiB, dtype=torch.float32)  # no 4 MiB block waits: 1 MiB, grown
+        assert counts().grown == before.grown + 1
+        assert bool((tail == 5).all()) and torch.equal(grown, torch.arange(MiB).float())
+        grown.mul_(2)
+        del tail
+        assert torch.equal(grown, 2 * torch.arange(MiB).float())
+    finally:
+        lease.close()
 
 
 def test_pool_stays_while_any_lease_holds_it_with_the_largest_cap() -> None:
     first, second = _pool.lease(MiB), _pool.lease(4 * MiB)
     assert first is not None and second is not None
-    blocks = [torch.empty(MiB // 4) for _ in range(3)]
+    blocks = [torch.empty(MiB // 4) for _ in range(4)]
     del blocks[:]
+    big = torch.empty(4 * MiB)  # at a new high-water mark: the cap holds
     assert counts().cached_bytes == 3 * MiB  # under the larger cap
     second.close()
     assert _pool.installed() and counts().cached_bytes == MiB  # the cap left
@@ -80,6 +110,7 @@ def test_pool_stays_while_any_lease_holds_it_with_the_largest_cap() -> None:
     assert _pool.installed()
     first.close()
     assert not _pool.installed()
+    del big
 
 
 def test_pool_blocks_carry_bitwise_values_across_every_operation() -> None:
