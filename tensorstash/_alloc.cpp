@@ -26,6 +26,8 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <list>
 #include <map>
@@ -40,6 +42,22 @@ namespace {
 constexpr size_t kPage = 4096;
 
 size_t whole_pages(size_t n) { return (n + kPage - 1) & ~(kPage - 1); }
+
+// Nanoseconds spent in mmap, mremap and munmap, on every thread.
+std::atomic<int64_t> mapping_ns{0};
+
+class Timed {
+ public:
+  Timed() : start_(std::chrono::steady_clock::now()) {}
+  ~Timed() {
+    auto took = std::chrono::steady_clock::now() - start_;
+    mapping_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(took).count(),
+                         std::memory_order_relaxed);
+  }
+
+ private:
+  std::chrono::steady_clock::time_point start_;
+};
 
 struct Counts {
   int64_t hits = 0;      // requests served by a block waiting in the pool, whole or split
@@ -63,7 +81,10 @@ class Pool final : public c10::Allocator {
       block = grow(size, drop);
     }
     if (block == nullptr) {
-      block = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      {
+        Timed timed;
+        block = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      }
       if (block == MAP_FAILED) {
         unmap(drop);
         return before->allocate(nbytes);  // its own error where memory is out
@@ -140,7 +161,8 @@ class Pool final : public c10::Allocator {
             counts_.unmapped,
             counts_.unmapped_bytes,
             static_cast<int64_t>(cached_),
-            static_cast<int64_t>(live_)};
+            static_cast<int64_t>(live_),
+            mapping_ns.load(std::memory_order_relaxed)};
   }
 
   bool installed() {
@@ -230,7 +252,11 @@ class Pool final : public c10::Allocator {
       unlist(largest);
       sizes_.erase(block);
     }
-    void* moved = mremap(block, have, size, MREMAP_MAYMOVE);
+    void* moved;
+    {
+      Timed timed;
+      moved = mremap(block, have, size, MREMAP_MAYMOVE);
+    }
     std::lock_guard<std::mutex> guard(mutex_);
     if (moved == MAP_FAILED) {
       counts_.unmapped++;
@@ -292,6 +318,10 @@ class Pool final : public c10::Allocator {
   }
 
   static void unmap(const std::vector<std::pair<void*, size_t>>& blocks) {
+    if (blocks.empty()) {
+      return;
+    }
+    Timed timed;
     for (const auto& [block, size] : blocks) {
       munmap(block, size);
     }
@@ -350,7 +380,7 @@ PyObject* py_installed(PyObject*, PyObject*) { return PyBool_FromLong(pool()->in
 
 PyObject* py_counts(PyObject*, PyObject*) {
   std::vector<int64_t> c = pool()->counts();
-  return Py_BuildValue("(LLLLLLL)", c[0], c[1], c[2], c[3], c[4], c[5], c[6]);
+  return Py_BuildValue("(LLLLLLLL)", c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]);
 }
 
 PyMethodDef methods[] = {
@@ -364,7 +394,7 @@ PyMethodDef methods[] = {
      "unmapped when freed."},
     {"installed", py_installed, METH_NOARGS, "Whether the pool serves CPU allocations."},
     {"counts", py_counts, METH_NOARGS,
-     "(hits, grown, misses, unmapped, unmapped_bytes, cached_bytes, live_bytes)."},
+     "(hits, grown, misses, unmapped, unmapped_bytes, cached_bytes, live_bytes, mapping_ns)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

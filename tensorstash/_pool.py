@@ -110,6 +110,8 @@ class PoolCounts(NamedTuple):
         unmapped_bytes: their bytes.
         cached_bytes: bytes of freed blocks waiting now.
         live_bytes: bytes of the pool's blocks in use now.
+        mapping_s: seconds spent mapping, growing and unmapping blocks, on
+            every thread.
     """
 
     hits: int
@@ -119,13 +121,15 @@ class PoolCounts(NamedTuple):
     unmapped_bytes: int
     cached_bytes: int
     live_bytes: int
+    mapping_s: float
 
 
 def counts() -> PoolCounts | None:
     """What the pool did (None where there is no pool)."""
     if compiled is None:
         return None
-    return PoolCounts(*compiled.counts())
+    *found, mapping_ns = compiled.counts()
+    return PoolCounts(*found, mapping_ns / 1e9)
 
 
 def installed() -> bool:

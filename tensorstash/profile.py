@@ -95,7 +95,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from tensorstash import _modules
+from tensorstash import _modules, _pool
 from tensorstash._memory import CudaPeak, PeakRss, faulted_since, meter, minor_faults
 from tensorstash._trim import release_free_heap
 from tensorstash.recompute import in_plan_region, is_checkpointed, take_recompute_seconds
@@ -1013,7 +1013,7 @@ class _QuietStep:
         self.profile = weakref.ref(profile)
         self.recomputed = recomputed
         self.stats = stats  # the session's: its trim thread counts its calls there
-        self.trims = 0.0 if stats is None else stats.returned_seconds
+        self.trims = self._returning()
         self.trim_s = 0.0
         self.timer: _CpuTimer | _CudaTimer = (
             _CudaTimer(device) if device.type == "cuda" else _CpuTimer(profile.clock)
@@ -1047,11 +1047,17 @@ class _QuietStep:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
 
     def _backward_ended(self) -> None:
+        self._end()  # what ends with the step (Auto's lease on the session pool) is in its time
         self.end = self.timer.mark()
         self.faulted = faulted_since(self.faults) or 0
-        if self.stats is not None:
-            self.trim_s = self.stats.returned_seconds - self.trims
-        self._end()
+        self.trim_s = self._returning() - self.trims
+
+    def _returning(self) -> float:
+        """Seconds spent handing memory back so far: the session's trims and the session
+        pool's mapping and unmapping (NOTE [ Plan ] rule 8)."""
+        pooled = _pool.counts()
+        trimmed = 0.0 if self.stats is None else self.stats.returned_seconds
+        return trimmed + (0.0 if pooled is None else pooled.mapping_s)
 
     def _freed(self) -> None:
         self._end()
