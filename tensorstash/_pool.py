@@ -128,8 +128,8 @@ def counts() -> PoolCounts | None:
     """What the pool did (None where there is no pool)."""
     if compiled is None:
         return None
-    *found, mapping_ns = compiled.counts()
-    return PoolCounts(*found, mapping_ns / 1e9)
+    hits, grown, misses, unmapped, unmapped_bytes, cached, live, mapping_ns = compiled.counts()
+    return PoolCounts(hits, grown, misses, unmapped, unmapped_bytes, cached, live, mapping_ns / 1e9)
 
 
 def installed() -> bool:
