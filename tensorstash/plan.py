@@ -49,7 +49,14 @@
    the hooked base less that cost). Where the cheapest plan moves sites, the
    plan that only recomputes is made too, and taken when it fits and is
    predicted no slower: on a model whose step is bound by launching kernels
-   the hooks cost more than recomputing a few modules. Until a step that
+   the hooks cost more than recomputing a few modules. Within the noise of a
+   quiet step's time (the median distance from the median over the quiet
+   steps), the plan that only recomputes is taken: its costs were measured,
+   while the hooks and a writer's are what a hooked step's noise hides (on
+   the HF GPT-2 config under bf16 autocast at a quarter of its activation
+   bytes, a plan that spilled one 256 KiB tensor to squeeze under the budget
+   ran every step with hooks at 1.53x no stash's step, predicted at 1.13x;
+   the plan that recomputed one module more ran quiet at 1.33x). Until a step that
    recomputed and moved nothing was timed it is taken whenever it fits: what
    the hooks cost, and what its steps fault in and hand back, are guesses
    till then, and a plan that moves, once measured, would be weighed against
@@ -82,7 +89,12 @@
    calls a step, 4-5 ms each, 7% of the step, which the predictions missed):
    they are timed (``StepRecord.trim_s``) and priced as the faults are, from
    the steps that ran the plan, or before one did, where its steps hand
-   memory back, from the steps that did.
+   memory back, from the steps that did. Where the session pool serves
+   (NOTE [ Session pool ] in _pool.py) those calls are its mappings and
+   unmappings (``PoolCounts.mapping_s``: about 3.5 ms a step on the GPT-2
+   config under bf16 autocast, a third of what recomputing cost there), and a
+   quiet step's time runs until its lease was let go, the blocks waiting
+   unmapped.
    On CUDA the pages are host memory, faulted in while the kernels run, and
    are not priced: a profile's first step on an H200 faulted in 4.6 GiB of
    new pinned buffers, and priced as on the CPU they made a plain step's
@@ -307,9 +319,20 @@ def make_plan(
         alone = solve(always, moves=False, trims=trims)
         steps = profile.calibration_steps()
         measured = profile.quiet_history or any(s.recomputed and not s.moved for s in steps)
-        if alone.fits and (not measured or alone.predicted_step_s <= plan.predicted_step_s):
+        noise = _step_noise(profile)
+        if alone.fits and (not measured or alone.predicted_step_s <= plan.predicted_step_s + noise):
             return alone
     return plan
+
+
+def _step_noise(profile: Profile) -> float:
+    """Rule 7: how far a quiet step's time strays, the median of its distances from
+    the median over the quiet steps (0.0 before three were timed)."""
+    seconds = [s.seconds for s in profile.quiet_history]
+    if len(seconds) < 3:
+        return 0.0
+    middle = statistics.median(seconds)
+    return statistics.median(abs(t - middle) for t in seconds)
 
 
 def _solve(

@@ -1105,3 +1105,22 @@ def test_autos_that_trim_differently_share_a_profile_without_sharing_a_plan() ->
     assert sessions[-1].plan is not None and sessions[-1].plan.returns_memory
     (session,) = train(model, 1, ts.Auto(device_budget=budget, trim_every=None), profile)
     assert session.plan is not None and not session.plan.returns_memory
+
+
+def test_plan_takes_the_plan_that_only_recomputes_within_the_noise_of_quiet_steps() -> None:
+    profile = two_blocks(cheap_s=0.05, dear_s=0.4)
+    profile.history.append(StepRecord(1 / 3, 2 / 3, 8 * MiB, None, (), 0.0, {"disk": 8 * MiB}))
+    steady = 1.0 + 0.05
+    for _ in range(3):  # three quiet steps that recomputed "a", all alike: no noise
+        profile.quiet_history.append(StepRecord(steady / 3, 2 * steady / 3, 0, None, ("a",)))
+    plan = make_plan(profile, 9 * MiB, trims=True)
+    assert plan is not None and plan.tiers and not plan.recompute  # the spill is cheaper
+    moving_s, alone = plan.predicted_step_s, make_plan(profile, 9 * MiB, trims=True, always=("a",))
+    assert alone is not None and alone.predicted_step_s > moving_s
+    gap = alone.predicted_step_s - moving_s
+    # Quiet steps that stray by more than that gap: the quiet plan is taken.
+    profile.quiet_history.clear()
+    for seconds in (steady, steady + 3 * gap, steady - 3 * gap):
+        profile.quiet_history.append(StepRecord(seconds / 3, 2 * seconds / 3, 0, None, ("a",)))
+    plan = make_plan(profile, 9 * MiB, trims=True)
+    assert plan is not None and plan.recompute == ("a",) and not plan.tiers
