@@ -291,9 +291,10 @@ class Auto:
             no pool, the growth of the resident set after which a thread hands
             the allocator's free memory back to the OS (NOTE [ Returning
             memory ] in _trim.py, rule 6). "auto": a quarter of the step's
-            activation bytes for the pool (at least 8 MiB), three quarters for
-            trimming (at least 16 MiB), and only where the plan holds at most
-            two thirds of them (``Plan.returns_memory``). None: neither.
+            activation bytes for the pool (at least 8 MiB), in every planned
+            step that saves bytes; three quarters for trimming (at least 16
+            MiB), only where the plan holds at most two thirds of them
+            (``Plan.returns_memory``). None: neither.
         device_probe, host_probe, clock: injected probes (see :class:`Select`).
 
     Example:
@@ -381,10 +382,12 @@ class Auto:
 
 
 def _trims(device: str, every: int | str | None) -> bool | Literal["auto"]:
-    """Whether a planned CPU step hands memory back: "auto", where the plan frees enough."""
+    """Whether a planned CPU step that saves bytes hands memory back: with the session
+    pool, or a size given, always; trimming the heap by default, "auto": where the
+    plan frees enough (NOTE [ Returning memory ] in _trim.py, rule 6)."""
     if device != "cpu" or every is None:
         return False
-    return "auto" if every == "auto" else True
+    return "auto" if every == "auto" and _pool.compiled is None else True
 
 
 CPU_CONTENTION = 3.0

@@ -1075,10 +1075,18 @@ def test_plan_hands_memory_back_only_where_it_frees_enough() -> None:
     assert kept is not None and not kept.choices and not kept.returns_memory
 
 
-def test_auto_watches_a_planned_cpu_step_only_where_its_plan_hands_memory_back(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("pooled", [True, False], ids=["pool", "trimming"])
+def test_auto_watches_a_planned_cpu_step_where_its_plan_hands_memory_back(
+    monkeypatch: pytest.MonkeyPatch, pooled: bool
 ) -> None:
+    """With the session pool every plan that saves bytes hands them back; trimming, only
+    a plan that holds at most ``RETURNS_BELOW`` of the activation bytes."""
     import tensorstash.auto as auto_module
+
+    if not pooled:
+        monkeypatch.setattr(_pool, "compiled", None)
+    elif _pool.compiled is None:
+        pytest.skip("the session pool is not built")
 
     made: list[int] = []
     watch = auto_module.Watch
@@ -1087,7 +1095,7 @@ def test_auto_watches_a_planned_cpu_step_only_where_its_plan_hands_memory_back(
     )
     model = fresh()
     activation = activation_bytes(model, data())
-    for share, watched in ((0.4, True), (0.9, False)):
+    for share, watched in ((0.4, True), (0.9, pooled)):
         made.clear()
         sessions = train(model, 3, ts.Auto(device_budget=int(activation * share)), ticking())
         plan = sessions[-1].plan
