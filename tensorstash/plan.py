@@ -50,8 +50,9 @@
    plan that only recomputes is made too, and taken when it fits and is
    predicted no slower: on a model whose step is bound by launching kernels
    the hooks cost more than recomputing a few modules. Within the noise of a
-   quiet step's time (the median distance from the median over the quiet
-   steps), the plan that only recomputes is taken: its costs were measured,
+   step's time (the median distance from the median, over the quiet steps or
+   the hooked ones: a plan that moves runs no quiet step), the plan that only
+   recomputes is taken: its costs were measured,
    while the hooks and a writer's are what a hooked step's noise hides (on
    the HF GPT-2 config under bf16 autocast at a quarter of its activation
    bytes, a plan that spilled one 256 KiB tensor to squeeze under the budget
@@ -326,13 +327,16 @@ def make_plan(
 
 
 def _step_noise(profile: Profile) -> float:
-    """Rule 7: how far a quiet step's time strays, the median of its distances from
-    the median over the quiet steps (0.0 before three were timed)."""
-    seconds = [s.seconds for s in profile.quiet_history]
-    if len(seconds) < 3:
-        return 0.0
-    middle = statistics.median(seconds)
-    return statistics.median(abs(t - middle) for t in seconds)
+    """Rule 7: how far a step's time strays: the median of the distances from the
+    median, over the quiet steps or over the hooked ones, the larger (0.0 where
+    neither has three)."""
+    spreads = [0.0]
+    for steps in (profile.quiet_history, profile.history):
+        seconds = [s.seconds for s in steps]
+        if len(seconds) >= 3:
+            middle = statistics.median(seconds)
+            spreads.append(statistics.median(abs(t - middle) for t in seconds))
+    return max(spreads)
 
 
 def _solve(

@@ -1132,3 +1132,15 @@ def test_plan_takes_the_plan_that_only_recomputes_within_the_noise_of_quiet_step
         profile.quiet_history.append(StepRecord(seconds / 3, 2 * seconds / 3, 0, None, ("a",)))
     plan = make_plan(profile, 9 * MiB, trims=True)
     assert plan is not None and plan.recompute == ("a",) and not plan.tiers
+    # A plan that moves runs no quiet step: the hooked steps' noise counts as well.
+    profile.quiet_history.clear()
+    profile.quiet_history.append(StepRecord(steady / 3, 2 * steady / 3, 0, None, ("a",)))
+    plan = make_plan(profile, 9 * MiB, trims=True)
+    assert plan is not None and plan.tiers  # one quiet step, steady hooked ones: the spill
+    spilled = {"disk": 8 * MiB}
+    for seconds in (1.0 + 3 * gap, 1.0 - 3 * gap, 1.0 + 6 * gap, 1.0 - 6 * gap):
+        profile.history.append(
+            StepRecord(seconds / 3, 2 * seconds / 3, 8 * MiB, None, (), 0.0, spilled)
+        )
+    plan = make_plan(profile, 9 * MiB, trims=True)
+    assert plan is not None and plan.recompute == ("a",) and not plan.tiers
