@@ -689,16 +689,17 @@ class _Solver:
         recompute and faults, per byte moved (on the CPU, the host tier is
         lz4's; on CUDA it is what a copy cost, ``copy_s_per_byte``, once the
         base was measured: rule 9), the median over such steps weighted by
-        their bytes. Steps whose backward timed its recompute
-        give what a second of forward costs when recomputed
-        (``recompute_factor``). The steps are the history and, of those that
-        left it, the last of each kind of move it lacks (rule 9).
+        their bytes. Steps whose backward timed its recompute, quiet ones
+        too (a plan that only recomputes runs quiet once measured), give what
+        a second of forward costs when recomputed (``recompute_factor``). The
+        steps are the history and, of those that left it, the last of each
+        kind of move it lacks (rule 9).
         """
         history = self.profile.calibration_steps()  # rule 9
         steps = [s for s in history if not s.cold] or history  # warm ones: NOTE [ Profile ] 6
         timed = [
             (s.recompute_s, self._forward_of(s.recomputed))
-            for s in steps
+            for s in (*steps, *self.profile.quiet_history)
             if s.recompute_s is not None and self._forward_of(s.recomputed) > 0
         ]
         if timed:
