@@ -186,7 +186,8 @@ class StepRecord:
             fresh memory the step touched, memory a trim handed back to the OS
             included (NOTE [ Plan ] rule 8).
         trim_s: seconds the step's calls that handed memory back to the OS took
-            (``StashStats.returned_seconds``; NOTE [ Plan ] rule 8).
+            (``StashStats.returned_seconds``, and the session pool's mapping and
+            unmapping, ``PoolCounts.mapping_s``; NOTE [ Plan ] rule 8).
     """
 
     forward_s: float
@@ -691,6 +692,13 @@ class Profile:
         return [*earlier, *self.history]
 
 
+def _mapping_s() -> float:
+    """Seconds the session pool spent mapping and unmapping blocks so far, on every
+    thread (NOTE [ Plan ] rule 8); 0.0 where it is not built."""
+    pooled = _pool.counts()
+    return 0.0 if pooled is None else pooled.mapping_s
+
+
 def _inside(path: str, modules: tuple[str, ...]) -> bool:
     return any(path == m or path.startswith(m + ".") for m in modules)
 
@@ -819,6 +827,7 @@ class _Step:
         self._meter: PeakRss | CudaPeak | None = None
         self._begun = self._timer.mark()
         self._faults = minor_faults()
+        self._mapped = _mapping_s()
         self._forward_end: Any = None
         self._held = 0
         self._backward = False
@@ -845,6 +854,7 @@ class _Step:
         """Measure from now: what ran since the step began (before any module) is not its."""
         self._begun = self._timer.mark()
         self._faults = minor_faults()
+        self._mapped = _mapping_s()
         self._imported = len(sys.modules)
         if self._meter is not None:
             self._meter.stop()
@@ -994,7 +1004,7 @@ class _Step:
             cold=self.cold,
             recompute_s=recompute_s,
             faulted_bytes=faulted_since(self._faults) or 0,
-            trim_s=stats.returned_seconds,
+            trim_s=stats.returned_seconds + _mapping_s() - self._mapped,
         )
         self.profile._finished(self, record)
 
@@ -1061,9 +1071,7 @@ class _QuietStep:
     def _returning(self) -> float:
         """Seconds spent handing memory back so far: the session's trims and the session
         pool's mapping and unmapping (NOTE [ Plan ] rule 8)."""
-        pooled = _pool.counts()
-        trimmed = 0.0 if self.stats is None else self.stats.returned_seconds
-        return trimmed + (0.0 if pooled is None else pooled.mapping_s)
+        return (0.0 if self.stats is None else self.stats.returned_seconds) + _mapping_s()
 
     def _freed(self) -> None:
         self._end()

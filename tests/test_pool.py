@@ -203,3 +203,29 @@ def test_a_child_forked_while_the_pool_serves_allocates_and_exits() -> None:
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         lease.close()
+
+
+def test_a_planned_step_counts_the_pools_mapping_as_handing_memory_back() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)) for _ in range(4)]
+    )
+    x = torch.randn(512, 256)
+    with ts.stash(ts.Keep()) as probe:
+        loss = model(x).sum()
+    loss.backward()
+    budget = probe.stats.tiers["kept"].peak_bytes // 3
+    profile = ts.Profile()
+    before = counts().mapping_s
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        with ts.stash(ts.Auto(device_budget=budget), profile=profile) as session:
+            loss = model(x).sum()
+        loss.backward()
+        del loss
+        gc.collect()
+        assert session.plan is None or session.plan.returns_memory
+    steps = [*profile.history, *profile.quiet_history]
+    mapped = counts().mapping_s - before
+    assert mapped > 0 and any(s.recomputed and s.trim_s > 0 for s in profile.history)
+    assert sum(s.trim_s for s in steps) <= mapped + 1e-9  # no step counts more than the pool did
