@@ -58,7 +58,7 @@ from tensorstash._trim import Watch
 from tensorstash.compress import Lz4
 from tensorstash.cpu import CpuOffload
 from tensorstash.disk import DiskSpill, check_directory
-from tensorstash.plan import Plan, Rates, make_plan
+from tensorstash.plan import RETURNS_BELOW, Plan, Rates, make_plan
 from tensorstash.policy import Chain, Context, Defer, Keep, Policy
 from tensorstash.profile import signature
 from tensorstash.recompute import unwrap_for_plan, warm_up, wrap_for_plan
@@ -614,6 +614,12 @@ class _AutoState:
         stats = self.stats
         every = int(parse_bytes(every, "tensorstash.Auto", "trim_every"))
         lease = _pool.lease(every) if pooled else None
+        if pooled and lease is None and self.auto.trim_every == "auto":
+            # Another allocator holds the CPU (NOTE [ Session pool ] rule 5): trim as
+            # where the pool is not built.
+            if plan.held_bytes > RETURNS_BELOW * plan.activation_bytes:
+                return
+            every = max(TRIM_LEAST, plan.activation_bytes * 3 // 4)
         self.watch = Watch(every, lambda: _holding(stats), counted=stats.returned, lease=lease)
         self.watch.start()
 

@@ -23,6 +23,7 @@ from zoo import Block
 
 import tensorstash as ts
 from tensorstash import _pool
+from tensorstash.auto import TRIM_LEAST
 from tensorstash.plan import HOOK_S, Rates, make_plan, weighted_median
 from tensorstash.profile import HISTORY, ModuleRecord, SiteRecord, StepRecord
 
@@ -1075,18 +1076,22 @@ def test_plan_hands_memory_back_only_where_it_frees_enough() -> None:
     assert kept is not None and not kept.choices and not kept.returns_memory
 
 
-@pytest.mark.parametrize("pooled", [True, False], ids=["pool", "trimming"])
+@pytest.mark.parametrize("pool", ["leased", "not built", "refused"])
 def test_auto_watches_a_planned_cpu_step_where_its_plan_hands_memory_back(
-    monkeypatch: pytest.MonkeyPatch, pooled: bool
+    monkeypatch: pytest.MonkeyPatch, pool: str
 ) -> None:
-    """With the session pool every plan that saves bytes hands them back; trimming, only
-    a plan that holds at most ``RETURNS_BELOW`` of the activation bytes."""
+    """With the session pool every plan that saves bytes hands them back; trimming (where
+    the pool is not built, or another allocator holds the CPU), only a plan that holds
+    at most ``RETURNS_BELOW`` of the activation bytes, every three quarters of them."""
     import tensorstash.auto as auto_module
 
-    if not pooled:
+    pooled = pool == "leased"
+    if pool == "not built":
         monkeypatch.setattr(_pool, "compiled", None)
     elif _pool.compiled is None:
         pytest.skip("the session pool is not built")
+    if pool == "refused":
+        monkeypatch.setattr(_pool, "lease", lambda cap: None)
 
     made: list[int] = []
     watch = auto_module.Watch
@@ -1099,8 +1104,11 @@ def test_auto_watches_a_planned_cpu_step_where_its_plan_hands_memory_back(
         made.clear()
         sessions = train(model, 3, ts.Auto(device_budget=int(activation * share)), ticking())
         plan = sessions[-1].plan
-        assert plan is not None and plan.choices and plan.returns_memory is watched
+        assert plan is not None and plan.choices
+        assert plan.returns_memory is (watched or pool == "refused")
         assert bool(made) is watched, (share, made)
+        if watched and not pooled:
+            assert made[-1] == max(TRIM_LEAST, activation * 3 // 4)
 
 
 def test_autos_that_trim_differently_share_a_profile_without_sharing_a_plan() -> None:
