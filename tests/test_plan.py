@@ -25,7 +25,7 @@ import tensorstash as ts
 from tensorstash import _pool
 from tensorstash.auto import TRIM_LEAST
 from tensorstash.plan import HOOK_S, Rates, make_plan, weighted_median
-from tensorstash.profile import HISTORY, ModuleRecord, SiteRecord, StepRecord
+from tensorstash.profile import ModuleRecord, SiteRecord, StepRecord
 
 MiB = 1 << 20
 
@@ -1152,17 +1152,3 @@ def test_plan_takes_the_plan_that_only_recomputes_within_the_noise_of_quiet_step
         )
     plan = make_plan(profile, 9 * MiB, trims=True)
     assert plan is not None and plan.recompute == ("a",) and not plan.tiers
-
-
-def test_auto_makes_its_plan_again_once_the_quiet_steps_fill_their_history() -> None:
-    """NOTE [ Profile ] rule 8: after the first quiet step, and once the quiet steps are
-    a full history, whose recompute the plan is then priced from; not in between."""
-    model, profile = fresh(), ticking()
-    budget = activation_bytes(model, data()) // 2
-    seen: dict[int, int] = {}  # quiet steps read -> the profile's revision
-    for _ in range(12):
-        train(model, 1, ts.Auto(device_budget=budget), profile)
-        seen.setdefault(len(profile.quiet_history), profile._revision)
-    assert len(profile.quiet_history) == HISTORY and all(n in seen for n in range(1, HISTORY + 1))
-    assert seen[2] == seen[HISTORY - 1]  # their times did not move: the plan stands
-    assert seen[HISTORY] == seen[HISTORY - 1] + 1
