@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -229,3 +230,38 @@ def test_a_planned_step_counts_the_pools_mapping_as_handing_memory_back() -> Non
     mapped = counts().mapping_s - before
     assert mapped > 0 and any(s.recomputed and s.trim_s > 0 for s in profile.history)
     assert sum(s.trim_s for s in steps) <= mapped + 1e-9  # no step counts more than the pool did
+
+
+def test_pool_blocks_split_and_grown_on_many_threads_keep_their_values() -> None:
+    lease = _pool.lease(4 * MiB)
+    assert lease is not None
+    errors: list[str] = []
+
+    def churn(seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        held: list[tuple[torch.Tensor, float]] = []
+        for step in range(300):
+            numel = int(torch.randint(32 << 10, 1 << 20, (1,), generator=generator))
+            value = float(seed * 1000 + step)
+            held.append((torch.full((numel,), value), value))  # 128 KiB to 4 MiB
+            if len(held) > 6:
+                tensor, want = held.pop(int(torch.randint(0, len(held), (1,), generator=generator)))
+                if not bool((tensor == want).all()):
+                    errors.append(f"thread {seed}: a block lost its values")
+        for tensor, want in held:
+            if not bool((tensor == want).all()):
+                errors.append(f"thread {seed}: a block lost its values")
+
+    before = counts()
+    try:
+        threads = [threading.Thread(target=churn, args=(seed,)) for seed in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        lease.close()
+    after = counts()
+    assert errors == []
+    assert after.hits > before.hits and after.grown > before.grown  # split and grown both ran
+    assert after.live_bytes == before.live_bytes and after.cached_bytes == 0
