@@ -224,9 +224,7 @@ class Pool final : public c10::Allocator {
         sizes_[tail] = rest;
         wait(tail, rest);
       } else {
-        counts_.unmapped++;
-        counts_.unmapped_bytes += static_cast<int64_t>(rest);
-        drop.emplace_back(tail, rest);
+        leave(tail, rest, drop);
       }
       have = size;
     }
@@ -259,9 +257,7 @@ class Pool final : public c10::Allocator {
     }
     std::lock_guard<std::mutex> guard(mutex_);
     if (moved == MAP_FAILED) {
-      counts_.unmapped++;
-      counts_.unmapped_bytes += static_cast<int64_t>(have);
-      drop.emplace_back(block, have);
+      leave(block, have, drop);
       return nullptr;
     }
     sizes_[moved] = size;
