@@ -606,20 +606,17 @@ class _AutoState:
         every = self.auto.trim_every
         if every is None or self.device_type != "cpu" or not plan.returns_memory:
             return
-        pooled = _pool.compiled is not None
-        if every == "auto" and pooled:
-            every = max(POOL_LEAST, plan.activation_bytes // 4)
-        elif every == "auto":
-            every = max(TRIM_LEAST, plan.activation_bytes * 3 // 4)
-        stats = self.stats
+        stats, activation, auto = self.stats, plan.activation_bytes, every == "auto"
+        if auto:
+            every = max(POOL_LEAST, activation // 4)  # the pool's cap
         every = int(parse_bytes(every, "tensorstash.Auto", "trim_every"))
-        lease = _pool.lease(every) if pooled else None
-        if pooled and lease is None and self.auto.trim_every == "auto":
-            # Another allocator holds the CPU (NOTE [ Session pool ] rule 5): trim as
-            # where the pool is not built.
-            if plan.held_bytes > RETURNS_BELOW * plan.activation_bytes:
+        lease = _pool.lease(every) if _pool.compiled is not None else None
+        if lease is None and auto:
+            # No pool, or another allocator holds the CPU (NOTE [ Session pool ] rule 5):
+            # trim, and only where the plan frees enough (a plan made for the pool may not).
+            if plan.held_bytes > RETURNS_BELOW * activation:
                 return
-            every = max(TRIM_LEAST, plan.activation_bytes * 3 // 4)
+            every = max(TRIM_LEAST, activation * 3 // 4)
         self.watch = Watch(every, lambda: _holding(stats), counted=stats.returned, lease=lease)
         self.watch.start()
 
