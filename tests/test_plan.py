@@ -131,6 +131,11 @@ def test_plan_recomputing_a_module_replaces_the_choices_inside_it() -> None:
     assert plan is not None and plan.recompute == ("a",)
     assert [choice.target for choice in plan.choices] == ["a"]
     assert plan.held_bytes == MiB
+    # "a" costs its whole forward and saves all it holds (8 MiB less its 1 MiB input),
+    # not what it added to "a.x", which it replaced and which is no longer paid for.
+    (choice,) = plan.choices
+    assert choice.cost_s == pytest.approx(0.0015) and choice.saved_bytes == 7 * MiB
+    assert plan.predicted_step_s - plan.base_step_s >= 0.0015
 
 
 def test_plan_takes_one_saving_that_covers_what_is_left() -> None:
