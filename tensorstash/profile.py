@@ -351,6 +351,12 @@ class Profile:
         the real peak."""
         return bool(self.history) and self._needs_peak(_plan_of(self.history[-1]))
 
+    @property
+    def peak_due(self) -> bool:
+        """Whether the next step takes the real peak for the plan of the last one: fewer
+        than PEAK_SAMPLES steps took it under that plan (rule 6)."""
+        return self._peak_due()
+
     def _needs_peak(self, plan: tuple[Any, ...]) -> bool:
         """Rule 6: fewer than PEAK_SAMPLES steps took the real peak under ``plan``."""
         return self.measure_memory and self._peak_counts[plan] < PEAK_SAMPLES

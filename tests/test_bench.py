@@ -377,6 +377,26 @@ def test_planned_steps_is_what_run_bench_ticks() -> None:
     assert ticks.count("auto:1MiB" + bench.NO_PLAN) == 2 and "trl" not in ticks
 
 
+def test_bench_adds_untimed_rounds_while_a_planner_learns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    policies = ["none", "auto:50%"]
+    ticks: list[str] = []
+    rows = bench.run_bench("tiny", policies, steps=2, warmup=2, progress=ticks.append)
+    auto = next(row for row in rows if row.policy == "auto:50%")
+    # The plan's first steps take its real peak, hooked, and its first quiet step has
+    # it made again: all in untimed rounds, so every timed step runs the plan quiet.
+    assert 2 < auto.warmup_steps <= 2 + rounds.LEARNING_ROUNDS
+    assert auto.quiet_steps == 2 and all(row.warmup_steps == auto.warmup_steps for row in rows)
+    extra = auto.warmup_steps - 2
+    assert len(ticks) == bench.planned_steps(policies, steps=2, warmup=2) + extra * 2
+    title = bench.format_title("tiny", "cpu", "float32", rows, threads=1, warmup=2)
+    assert f"after {auto.warmup_steps} warm-up round(s)" in title
+    monkeypatch.setattr(rounds, "LEARNING_ROUNDS", 0)
+    rows = bench.run_bench("tiny", policies, steps=2, warmup=2)
+    assert all(row.warmup_steps == 2 for row in rows)
+
+
 def test_round_order_rotates_the_first_shuffles_the_rest_and_twins_take_turns() -> None:
     twin = "auto:8MiB" + bench.NO_PLAN
     groups = [["none"], ["auto:8MiB", twin], ["lz4"], ["disk"], ["cpu"]]

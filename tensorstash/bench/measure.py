@@ -34,12 +34,17 @@ class PlanReading:
         recompute: the module paths the plan recomputes.
         base_step_s: the plan's step with nothing recomputed or moved (what
             its prediction adds its costs to), or None.
+        settled: the planner has learned its plan (rule 3 of NOTE [ Fair
+            comparison ]): no step under it still has to take its real peak
+            (``Profile.peak_due``), and a plan that moves nothing has run a
+            quiet step, after which it is made again once.
     """
 
     predicted_step_s: float | None
     predicted_peak_bytes: int | None
     recompute: tuple[str, ...]
     base_step_s: float | None = None
+    settled: bool = True
 
 
 def read_plan(session: Any) -> PlanReading | None:
@@ -50,11 +55,17 @@ def read_plan(session: Any) -> PlanReading | None:
     step_s = getattr(plan, "predicted_step_s", None)
     peak = getattr(plan, "predicted_peak_bytes", None)
     base = getattr(plan, "base_step_s", None)
+    profile = getattr(session, "profile", None)
+    quiet = bool(getattr(plan, "quiet", False))
+    settled = profile is None or (
+        not profile.peak_due and (not quiet or bool(profile.quiet_history))
+    )
     return PlanReading(
         None if step_s is None else float(step_s),
         None if peak is None else int(peak),
         tuple(getattr(plan, "recompute", ()) or ()),
         float(base) if base else None,
+        settled,
     )
 
 

@@ -186,6 +186,7 @@ def format_title(
         parts.append(f"allocator {ALLOCATOR.name}")  # what the real peaks depend on (README)
     if activations is not None:
         parts.append(f"activations {human_bytes(activations)} per step")
+    warmup = max([warmup, *(row.warmup_steps for row in measured)])  # rule 3's rounds too
     parts.append(f"medians of {rounds} timed round(s) after {warmup} warm-up round(s)")
     return ", ".join(parts)
 

@@ -67,6 +67,9 @@ class Row:
             of the same Auto without a plan (rule 6 of the NOTE).
         skipped: why the variant did not run (an optional peer), else None.
         timeline: memory over one untimed step (``--plot``), else None.
+        warmup_steps: the untimed steps it ran before the timed ones: the
+            warm-up rounds, and the rounds added while a planner learned
+            (rule 3 of the NOTE).
     """
 
     policy: str
@@ -94,6 +97,7 @@ class Row:
     no_plan_peak_bytes: tuple[int, ...] = ()
     skipped: str | None = None
     timeline: dict[str, Any] | None = None
+    warmup_steps: int = 0
 
     @classmethod
     def skip(cls, policy: str, dtype: str, reason: str) -> Row:
@@ -184,6 +188,7 @@ def summarize(
         baseline: the timed steps of "none", one per round.
         checked: its other steps (warm-up), whose gradients count too.
     """
+    checked = list(checked)
     times = tuple(r.seconds for r in steps)
     peaks = tuple(r.peak_bytes for r in steps)
     last = steps[-1].stats
@@ -225,6 +230,7 @@ def summarize(
         step_over_predicted=_median_of(m / p for m, p in overhead_plans),
         peak_over_predicted=_median_of(m / p for m, p in peak_plans),
         plan_recompute=plans[-1][1].recompute if plans else (),
+        warmup_steps=len(checked),
     )
 
 
