@@ -58,7 +58,7 @@ from tensorstash._trim import Watch
 from tensorstash.compress import Lz4
 from tensorstash.cpu import CpuOffload
 from tensorstash.disk import DiskSpill, check_directory
-from tensorstash.plan import RETURNS_BELOW, Plan, Rates, make_plan, trial_due
+from tensorstash.plan import RETURNS_BELOW, Plan, Rates, make_plan
 from tensorstash.policy import Chain, Context, Defer, Keep, Policy
 from tensorstash.profile import signature
 from tensorstash.recompute import unwrap_for_plan, warm_up, wrap_for_plan
@@ -552,7 +552,7 @@ class _AutoState:
         device = "cuda" if self.device_type == "cuda" else "cpu"
         trims = _trims(device, auto.trim_every)
         key = (device, auto.recompute, auto.never_recompute, auto.always_recompute, trims)
-        made = lambda: make_plan(  # noqa: E731
+        plan = profile.plan_for(key, self.budget, lambda: make_plan(
             profile,
             self.budget,
             device=device,
@@ -561,10 +561,7 @@ class _AutoState:
             always=_paths(profile, auto.always_recompute),
             rates=self._rates(root),
             trims=trims,  # as _watch does
-        )
-        plan = profile.plan_for(key, self.budget, made)
-        if plan is not None and trial_due(profile, plan):  # NOTE [ Plan ] rule 10
-            plan = profile.plan_for(key, self.budget, made, again=True)
+        ))  # fmt: skip
         if plan is not None and not plan.fits and profile.warn_unreachable(self.budget):
             warnings.warn(
                 f"tensorstash.Auto: device_budget {human_bytes(self.budget)} cannot be held: "
@@ -596,8 +593,7 @@ class _AutoState:
             module = profile.module(path)
             if module is not None and wrap_for_plan(module, profile.clock):
                 self.recomputed.append((path, module))
-        trial = self.plan is not None and self.plan.trial
-        profile.recomputing(tuple(path for path, _ in self.recomputed), self._moves(), trial=trial)
+        profile.recomputing(tuple(path for path, _ in self.recomputed), self._moves())
 
     def _moves(self) -> frozenset[str]:
         """The stats' tiers the plan moves bytes to, as a step's record will name them."""

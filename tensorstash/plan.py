@@ -133,33 +133,13 @@
    nothing; counted step by step, that made the plan that spilled 40.5 MiB
    and recomputed nothing look 0.16 s a step, and it took 0.19 s, against
    0.17 s for the first, and the plan flipped between the two every step or two.
-10. On the CPU what moving costs is tried, not guessed. The probes say little
-    of what a spill costs a step on the cores the step runs on (the writer
-    overlaps the step's kernels in part; ``CPU_CONTENTION`` in auto.py).
-    Where the plan taken only recomputes (as the probes' prices mostly make
-    it) and no warm step moved bytes yet, once ``TRIAL_STEPS`` quiet steps
-    ran it (the plan is made again then: ``trial_due``), a trial
-    plan moves sites and recomputes nothing (the same greedy without
-    recompute) for ``TRIAL_STEPS`` warm steps; its steps take no real peak
-    (``StepRecord.trial``). Then the two are weighed as measured, by the
-    medians of their steps: where the steps that moved were faster than the
-    quiet ones by more than a step's noise (rule 7), the plan that moves and
-    recomputes nothing is taken, and its real peak taken in its next steps;
-    otherwise the plan that only recomputes, wherever it fits, and moving is
-    not tried again (its steps, kept aside, stay measured). On the bench's
-    ``small`` at a quarter of its activation bytes (2 cores) the plan that
-    recomputed five modules took 1.31-1.32x no stash's step, and a disk spill
-    of everything 1.19-1.28x at a lower real peak; the plan that spilled 40.5
-    MiB and kept 13 took 1.13-1.21x at 0.32 of no stash's real peak. On the
-    HF GPT-2 config, whose blocks are cheap to recompute, the trial's spills
-    (1.3-1.4x) lose, and its plans only recompute. On CUDA the copies are
-    tried by rule 9. The trial costs a few steps once per profile and budget.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import itertools
 import math
 import statistics
@@ -187,9 +167,6 @@ CALIBRATION_SPREAD = 4.0
 """A measured cost per byte moved counts down to 1/CALIBRATION_SPREAD of the assumed one."""
 REFAULT_BYTES_PER_S = 5e9
 """Handing memory back to the OS and faulting it in again, per second (rule 8), until probed."""
-TRIAL_STEPS = 3
-"""Warm steps a trial of moving runs (rule 10): the first pays for starting a writer,
-which the median of three does not show."""
 HOOK_S = 70e-6
 """What the hooks cost a step per call site, until steps with and without them were timed
 (an H200 host, the bench's ``medium`` model: 9 ms a step over its 124 sites and 93 module
@@ -244,10 +221,6 @@ class Plan:
             themselves (rule 8): in ``predicted_step_s``.
         returns_memory: whether ``Auto`` hands memory back to the OS while a
             CPU step of the plan runs (rule 8; NOTE [ Returning memory ] in _trim.py).
-        trial: the plan moves sites, and recomputes nothing, to measure what
-            moving costs against the plan that only recomputes (rule 10).
-        may_try: the plan only recomputes, and rule 10 will try moving against
-            it once ``TRIAL_STEPS`` quiet steps ran it.
     """
 
     budget: int
@@ -265,8 +238,6 @@ class Plan:
     faults_s: float = 0.0
     trim_s: float = 0.0
     returns_memory: bool = False
-    trial: bool = False
-    may_try: bool = False
 
     @property
     def quiet(self) -> bool:
@@ -295,8 +266,6 @@ class Plan:
         ]
         if not self.choices:
             lines.append("nothing to move: every site is kept")
-        if self.trial:
-            lines.append("a trial: what moving costs, measured against recomputing (rule 10)")
         for choice in self.choices:
             saved = human_bytes(choice.saved_bytes)
             lines.append(
@@ -349,58 +318,16 @@ def make_plan(
     if step is None:
         return None
     speeds = rates or Rates()
-
-    def solve(*, moves: bool, recomputes: bool = recompute) -> Plan:
-        return _solve(profile, step, budget, device, speeds, recomputes, never, always,
-                      moves=moves, trims=trims)  # fmt: skip
-
-    plan = solve(moves=True)
-    moving = _moving_seconds(profile)
-    tried = device == "cpu" and len(moving) >= TRIAL_STEPS  # rule 10
-    noise = _step_noise(profile)
-    if tried and recompute and _moving_won(profile, moving, noise):
-        only = solve(moves=True, recomputes=False)
-        if only.fits:
-            return only  # what the trial ran, and measured faster
+    solve = functools.partial(_solve, profile, step, budget, device, speeds, recompute, never)
+    plan = solve(always, moves=True, trims=trims)
     if plan.tiers and recompute:  # rule 7: without the hooks, recomputing may cost less
-        alone = solve(moves=False)
+        alone = solve(always, moves=False, trims=trims)
         steps = profile.calibration_steps()
         measured = profile.quiet_history or any(s.recomputed and not s.moved for s in steps)
-        cheaper = alone.predicted_step_s <= plan.predicted_step_s + noise
-        if alone.fits and (not measured or tried or cheaper):
-            plan = alone
-    if device == "cpu" and recompute and plan.quiet and plan.recompute and not tried:
-        # Rule 10: measure moving against the plan that only recomputes, once it ran quiet.
-        trial = solve(moves=True, recomputes=False)
-        if trial.tiers and trial.fits:
-            if len(profile.quiet_history) >= TRIAL_STEPS:
-                return dataclasses.replace(trial, trial=True)
-            return dataclasses.replace(plan, may_try=True)
+        noise = _step_noise(profile)
+        if alone.fits and (not measured or alone.predicted_step_s <= plan.predicted_step_s + noise):
+            return alone
     return plan
-
-
-def trial_due(profile: Profile, plan: Plan) -> bool:
-    """Whether ``plan`` should be made again for rule 10: it is a trial whose warm steps
-    ran, or a plan that only recomputes whose quiet steps ran and against which moving
-    will be tried."""
-    if plan.trial:
-        return len(_moving_seconds(profile)) >= TRIAL_STEPS
-    return plan.may_try and len(profile.quiet_history) >= TRIAL_STEPS
-
-
-def _moving_seconds(profile: Profile) -> list[float]:
-    """Rule 10: the times of the warm steps that moved bytes, in the history or kept aside."""
-    aside = (s for kept in profile.aside.values() for s in kept)
-    return [s.seconds for s in (*aside, *profile.history) if s.moved and not s.cold]
-
-
-def _moving_won(profile: Profile, moving: list[float], noise: float) -> bool:
-    """Rule 10: whether the warm steps that moved bytes took less time than the quiet
-    steps, which moved none, by more than ``noise`` (as rule 7 weighs predictions)."""
-    if not profile.quiet_history:
-        return False
-    quiet = statistics.median(s.seconds for s in profile.quiet_history)
-    return statistics.median(moving) + noise < quiet
 
 
 def _step_noise(profile: Profile) -> float:

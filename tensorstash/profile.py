@@ -190,8 +190,6 @@ class StepRecord:
         trim_s: seconds the step's calls that handed memory back to the OS took
             (``StashStats.returned_seconds``, and the session pool's mapping and
             unmapping, ``PoolCounts.mapping_s``; NOTE [ Plan ] rule 8).
-        trial: its plan was a trial of moving (NOTE [ Plan ] rule 10): the
-            step after it takes no real peak for it.
     """
 
     forward_s: float
@@ -205,7 +203,6 @@ class StepRecord:
     recompute_s: float | None = None
     faulted_bytes: int = 0
     trim_s: float = 0.0
-    trial: bool = False
 
     @property
     def seconds(self) -> float:
@@ -352,8 +349,7 @@ class Profile:
     def _peak_due(self) -> bool:
         """Rule 6: the last step ran a plan under which fewer than PEAK_SAMPLES steps took
         the real peak."""
-        last = self.history[-1] if self.history else None
-        return last is not None and not last.trial and self._needs_peak(_plan_of(last))
+        return bool(self.history) and self._needs_peak(_plan_of(self.history[-1]))
 
     @property
     def peak_due(self) -> bool:
@@ -612,18 +608,15 @@ class Profile:
 
     # -- for the plan ----------------------------------------------------------------
 
-    def plan_for(
-        self, key: Any, budget: int, make: Callable[[], Any], *, again: bool = False
-    ) -> Any:
+    def plan_for(self, key: Any, budget: int, make: Callable[[], Any]) -> Any:
         """The plan for ``budget`` and options ``key``, made again only once the
-        measurements changed: after a step that timed modules or saw other sizes (rule 5),
-        or when ``again`` (a trial of moving ran its steps: NOTE [ Plan ] rule 10).
+        measurements changed: after a step that timed modules or saw other sizes (rule 5).
 
         A plan that keeps everything serves every budget its bytes fit (Auto's
         default budget, half of the free memory, moves a little every step).
         """
         found = self._plans.get(key)
-        if found is not None and found[0] == self._revision and not again:
+        if found is not None and found[0] == self._revision:
             _, made_for, plan = found
             if made_for == budget or (plan is not None and plan.keeps_all(budget)):
                 return plan
@@ -631,25 +624,19 @@ class Profile:
         self._plans[key] = (self._revision, budget, plan)
         return plan
 
-    def recomputing(
-        self, paths: tuple[str, ...], moves: frozenset[str] = frozenset(), *, trial: bool = False
-    ) -> None:
+    def recomputing(self, paths: tuple[str, ...], moves: frozenset[str] = frozenset()) -> None:
         """The plan recomputes ``paths`` in the step being measured (rule 4), and moves
-        bytes to the tiers ``moves`` ("host", "disk"); ``trial``: the plan is a trial of
-        moving (NOTE [ Plan ] rule 10).
+        bytes to the tiers ``moves`` ("host", "disk").
 
         A measured step that runs a plan under which fewer than
-        :data:`PEAK_SAMPLES` steps took the real peak takes it (rule 6), unless
-        the plan is a trial: its steps are timed for what moving costs, and the
-        plan they end in takes its own peak.
+        :data:`PEAK_SAMPLES` steps took the real peak takes it (rule 6).
         """
         step = self._step
         if step is not None:
             step.recomputed = paths
-            step.trial = trial
             # Seconds left from a step whose backward never ended are not this step's.
             self.take_recompute_seconds(paths)
-            if step.measure and not trial and self._needs_peak((paths, moves)):  # _plan_of
+            if step.measure and self._needs_peak((paths, moves)):  # as _plan_of names it
                 step.take_peak()
 
     def set_up_ran(self) -> None:
@@ -785,7 +772,6 @@ def _step_row(record: StepRecord) -> dict[str, Any]:
         "recompute_s": record.recompute_s,
         "faulted_bytes": record.faulted_bytes,
         "trim_s": record.trim_s,
-        "trial": record.trial,
     }
 
 
@@ -802,7 +788,6 @@ def _step_record(row: dict[str, Any]) -> StepRecord:
         None if row["recompute_s"] is None else float(row["recompute_s"]),
         faulted_bytes=int(row.get("faulted_bytes", 0)),  # absent in older states
         trim_s=float(row.get("trim_s", 0.0)),
-        trial=bool(row.get("trial", False)),
     )
 
 
@@ -840,7 +825,6 @@ class _Step:
         self.cold = cold and profile.measure_memory
         self.modules: dict[str, ModuleRecord] = {}
         self.recomputed: tuple[str, ...] = ()
-        self.trial = False
         self.training: bool | None = None
         self.calls = 0  # module calls so far, and packs since the last one (site orders)
         self.packs = 0
@@ -1027,7 +1011,6 @@ class _Step:
             recompute_s=recompute_s,
             faulted_bytes=faulted_since(self._faults) or 0,
             trim_s=stats.returned_seconds + _mapping_s() - self._mapped,
-            trial=self.trial,
         )
         self.profile._finished(self, record)
 

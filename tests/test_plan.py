@@ -24,7 +24,7 @@ from zoo import Block
 import tensorstash as ts
 from tensorstash import _pool
 from tensorstash.auto import TRIM_LEAST
-from tensorstash.plan import HOOK_S, TRIAL_STEPS, Rates, make_plan, weighted_median
+from tensorstash.plan import HOOK_S, Rates, make_plan, weighted_median
 from tensorstash.profile import ModuleRecord, SiteRecord, StepRecord
 
 MiB = 1 << 20
@@ -565,17 +565,16 @@ def test_auto_plan_does_not_recompile_compiled_blocks_every_step() -> None:
         model.blocks[index] = torch.compile(block, backend=counter)
     auto, profile = ts.Auto(device_budget=budget), ticking()
     try:
-        learning = train(model, 12, auto, profile)  # measures, plans, tries spilling
+        train(model, 3, auto, profile)  # measures, then plans
         frames = counter.frame_count
         sessions = train(model, 4, auto, profile)
     finally:
         torch._dynamo.reset()
-    assert any(s.plan is not None and s.plan.trial for s in learning)  # NOTE [ Plan ] 10
     plans = {s.plan.recompute if s.plan else None for s in sessions}
     assert len(plans) == 1 and next(iter(plans))  # one plan, recomputing blocks
     assert all(path.startswith("blocks.") for path in next(iter(plans)))  # type: ignore[union-attr]
     assert counter.frame_count == frames  # the same plan: nothing compiled again
-    train(plain, 12)
+    train(plain, 3)
     train(plain, 4)  # the same seeds as the two runs above
     assert_same_weights(plain, model)
 
@@ -915,9 +914,8 @@ def test_plan_prices_the_pages_its_steps_fault_in() -> None:
     assert plan.predicted_step_s == pytest.approx(plan.base_step_s + 0.002 + 0.02)
     assert "faults in 16.0 MiB, 20.0 ms" in plan.table()
     # Warm steps that recomputed "a" faulted in 8 MiB (median), each 10 ms more for it:
-    # their time less those 10 ms, and the recompute, is the base (two steps: after a
-    # third, rule 10 would try spilling).
-    for faulted in (4 * MiB, 12 * MiB):
+    # their time less those 10 ms, and the recompute, is the base.
+    for faulted in (4 * MiB, 8 * MiB, 12 * MiB):
         seconds = 1.0 + 0.002 + faulted / rates.refault
         profile.quiet_history.append(
             StepRecord(seconds / 3, 2 * seconds / 3, 0, None, ("a",), faulted_bytes=faulted)
@@ -1130,65 +1128,9 @@ def test_autos_that_trim_differently_share_a_profile_without_sharing_a_plan() ->
     assert session.plan is not None and not session.plan.returns_memory
 
 
-def _quiet_steps(profile: ts.Profile, *seconds: float) -> None:
-    for s in seconds:  # quiet steps that recomputed "a"
-        profile.quiet_history.append(StepRecord(s / 3, 2 * s / 3, 0, None, ("a",)))
-
-
-def _spills(profile: ts.Profile, *seconds: float, trial: bool = True) -> None:
-    for s in seconds:  # warm steps that spilled 8 MiB and recomputed nothing
-        profile.history.append(
-            StepRecord(s / 3, 2 * s / 3, 8 * MiB, None, (), 0.0, {"disk": 8 * MiB}, trial=trial)
-        )
-
-
-def test_plan_tries_moving_once_the_plan_that_only_recomputes_ran_quiet() -> None:
-    profile = two_blocks(cheap_s=0.005, dear_s=0.4)  # "a" is cheaper than the probed disk
-    plan = make_plan(profile, 9 * MiB, trims=True)
-    assert plan is not None and plan.recompute == ("a",) and plan.quiet  # rule 7: first
-    assert plan.may_try and not plan.trial  # rule 10: once it ran quiet
-    _quiet_steps(profile, *[1.05] * (TRIAL_STEPS - 1))
-    plan = make_plan(profile, 9 * MiB, trims=True)
-    assert plan is not None and plan.may_try and not plan.trial
-    _quiet_steps(profile, 1.05)
-    plan = make_plan(profile, 9 * MiB, trims=True)
-    assert plan is not None and plan.trial and not plan.may_try
-    assert plan.recompute == () and set(plan.tiers.values()) == {"disk"} and plan.fits
-    assert "a trial" in plan.table()
-    # Not on CUDA (rule 9 tries copies there), nor where nothing may be recomputed.
-    cuda = make_plan(profile, 9 * MiB, device="cuda")
-    assert cuda is not None and not cuda.trial and not cuda.may_try
-    spills = make_plan(profile, 9 * MiB, trims=True, recompute=False)
-    assert spills is not None and spills.tiers and not spills.trial
-
-
-@pytest.mark.parametrize(
-    ("spilled_s", "quiet_s", "moves"),
-    [
-        ((0.9, 0.92, 0.9), (1.05, 1.05, 1.05), True),  # faster: the spill is kept
-        ((1.2, 1.2, 1.25), (1.05, 1.05, 1.05), False),  # slower: recompute
-        ((1.0, 1.0, 1.0), (1.05, 0.95, 1.15), False),  # within the quiet steps' noise
-    ],
-)
-def test_plan_keeps_what_the_trial_of_moving_measured_faster(
-    spilled_s: tuple[float, ...], quiet_s: tuple[float, ...], moves: bool
-) -> None:
-    profile = two_blocks(cheap_s=0.05, dear_s=0.4)
-    _quiet_steps(profile, *quiet_s)
-    _spills(profile, *spilled_s)
-    plan = make_plan(profile, 9 * MiB, trims=True)
-    assert plan is not None and not plan.trial and not plan.may_try  # tried: never again
-    if moves:
-        assert plan.recompute == () and set(plan.tiers.values()) == {"disk"}
-    else:
-        assert plan.recompute == ("a",) and not plan.tiers
-
-
 def test_plan_takes_the_plan_that_only_recomputes_within_the_noise_of_quiet_steps() -> None:
     profile = two_blocks(cheap_s=0.05, dear_s=0.4)
-    for _ in range(TRIAL_STEPS):  # what spilling costs was measured (rule 10)
-        spill = StepRecord(1 / 3, 2 / 3, 8 * MiB, None, (), 0.0, {"disk": 8 * MiB})
-        profile.history.append(spill)
+    profile.history.append(StepRecord(1 / 3, 2 / 3, 8 * MiB, None, (), 0.0, {"disk": 8 * MiB}))
     steady = 1.0 + 0.05
     for _ in range(3):  # three quiet steps that recomputed "a", all alike: no noise
         profile.quiet_history.append(StepRecord(steady / 3, 2 * steady / 3, 0, None, ("a",)))

@@ -58,10 +58,7 @@ def read_plan(session: Any) -> PlanReading | None:
     profile = getattr(session, "profile", None)
     quiet = bool(getattr(plan, "quiet", False))
     settled = profile is None or (
-        not profile.peak_due
-        and not getattr(plan, "trial", False)
-        and not getattr(plan, "may_try", False)
-        and (not quiet or bool(profile.quiet_history))
+        not profile.peak_due and (not quiet or bool(profile.quiet_history))
     )
     return PlanReading(
         None if step_s is None else float(step_s),

@@ -115,7 +115,7 @@ from tensorstash.bench.workloads import Workload, builtin_workload
 Progress = Callable[[str], None]
 """Called with the variant's name after every step."""
 
-LEARNING_ROUNDS = 12
+LEARNING_ROUNDS = 8
 """The most untimed rounds added after the warm-up while a planner still learns (rule 3)."""
 
 
