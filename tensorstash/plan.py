@@ -20,7 +20,7 @@
      choices made inside it: it is ranked by what it adds to them, and then
      costs its whole forward time (counted at what it added, the plans on
      the HF GPT-2 config under bf16 autocast, which take a block's MLP or
-     activation before the block, were predicted 4-7 ms short of their
+     activation before the block, were predicted 2-5 ms short of their
      recompute);
    - on a CUDA device, copying a site to host RAM is free while the link can
      move it during forward and bring it back during backward (the sites saved
