@@ -331,7 +331,7 @@ class Profile:
         self.current = {}
         measure = self._measures()
         # The first of a run, or the step that takes a new plan's peak (rule 6).
-        cold = measure and (not self._measured_last or self._peak_due())
+        cold = measure and (not self._measured_last or self.peak_due)
         self._measured_last = measure
         step = _Step(self, ctx, min_bytes, measure=measure, cold=cold)
         self._step = step
@@ -341,21 +341,16 @@ class Profile:
         if self.steps < self.measure_steps or not self.modules or self._remeasure:
             self._remeasure = max(self._remeasure - 1, 0)
             return True
-        if self._peak_due():
+        if self.peak_due:
             return True
         every = self.remeasure_every
         return bool(every) and self.steps % every in (0, 1)
-
-    def _peak_due(self) -> bool:
-        """Rule 6: the last step ran a plan under which fewer than PEAK_SAMPLES steps took
-        the real peak."""
-        return bool(self.history) and self._needs_peak(_plan_of(self.history[-1]))
 
     @property
     def peak_due(self) -> bool:
         """Whether the next step takes the real peak for the plan of the last one: fewer
         than PEAK_SAMPLES steps took it under that plan (rule 6)."""
-        return self._peak_due()
+        return bool(self.history) and self._needs_peak(_plan_of(self.history[-1]))
 
     def _needs_peak(self, plan: tuple[Any, ...]) -> bool:
         """Rule 6: fewer than PEAK_SAMPLES steps took the real peak under ``plan``."""

@@ -396,7 +396,7 @@ def test_profile_state_dict_keeps_the_quiet_steps_and_the_inputs() -> None:
     older = {key: value for key, value in state.items() if key != "peaks"}
     fresh.load_state_dict(older)  # before the peaks of several steps were kept: the last one
     assert list(fresh.peaks) == [fresh.peak] and fresh.peak is not None
-    assert not fresh._peak_due()  # what was learnt counts: no more cold steps for it
+    assert not fresh.peak_due  # what was learnt counts: no more cold steps for it
 
 
 def test_profile_load_state_dict_rejects_another_version() -> None:
