@@ -39,6 +39,10 @@
    plan cost (its recompute as timed in its backward: NOTE [ Recompute ]
    rule 7); the new plan adds its costs, a module's recompute at its forward
    time scaled by the median of timed over forward seconds in those steps.
+   The modules the user checkpoints (``recompute``, Hugging Face's gradient
+   checkpointing) are recomputed by every step whatever the plan: their
+   forward time at that scale is taken out of the base and added to every
+   prediction (``Plan.checkpointed_s``), so the base is a plain step's.
    The real peak is what the steps that took it under the last plan that
    did held besides their eligible saved bytes (the median of their peaks
    less the bytes held at each one's moment), plus the new plan's: the
@@ -147,7 +151,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tensorstash.profile import ModuleRecord, Profile, Site, SiteRecord, StepRecord
+from tensorstash.profile import (
+    ALREADY_RECOMPUTED,
+    ModuleRecord,
+    Profile,
+    Site,
+    SiteRecord,
+    StepRecord,
+)
 from tensorstash.stats import human_bytes
 
 Tier = Literal["keep", "host", "compressed", "disk"]
@@ -221,6 +232,8 @@ class Plan:
             themselves (rule 8): in ``predicted_step_s``.
         returns_memory: whether ``Auto`` hands memory back to the OS while a
             CPU step of the plan runs (rule 8; NOTE [ Returning memory ] in _trim.py).
+        checkpointed_s: what backward spends recomputing the modules the user
+            checkpoints (rule 6): in ``predicted_step_s``, not in ``base_step_s``.
     """
 
     budget: int
@@ -238,6 +251,7 @@ class Plan:
     faults_s: float = 0.0
     trim_s: float = 0.0
     returns_memory: bool = False
+    checkpointed_s: float = 0.0
 
     @property
     def quiet(self) -> bool:
@@ -279,6 +293,8 @@ class Plan:
             hooks += f"; faults in {human_bytes(self.faulted_bytes)}, {1e3 * self.faults_s:.1f} ms"
         if self.trim_s:
             hooks += f"; hands memory back, {1e3 * self.trim_s:.1f} ms"
+        if self.checkpointed_s:
+            hooks += f"; recomputes what you checkpoint, {1e3 * self.checkpointed_s:.1f} ms"
         lines.append(
             f"predicted step {self.predicted_step_s:.3f} s ({overhead:.2f}x of a plain step; "
             f"{hooks}), real peak growth {peak}"
@@ -400,6 +416,7 @@ class _Solver:
         self.capacity = 0.0  # bytes the link moves while forward runs (rule 3, CUDA)
         self.copied = 0  # bytes copied to host so far, against that capacity
         self.copy_s_per_byte: float | None = None  # what a copy cost the steps (rule 9)
+        self.checkpointed_s = 0.0  # the user's own recompute (rule 6)
 
     # What a module holds --------------------------------------------------------------
 
@@ -615,7 +632,7 @@ class _Solver:
         faults_s = self._faults_s(faulted)
         trim_s = self._trimmed(recompute, bool(tiers), returns)
         predicted = base + (0.0 if quiet else self.hooks_s) + sum(c.cost_s for c in choices)
-        predicted += faults_s + trim_s
+        predicted += faults_s + trim_s + self.checkpointed_s
         plain_faulted = self._faulted((), False, self.activation, step, False)
         base += self._faults_s(plain_faulted) + self._trimmed((), False, False)  # a plain step's
         peak = None
@@ -642,6 +659,7 @@ class _Solver:
             faults_s=faults_s,
             trim_s=trim_s,
             returns_memory=returns,
+            checkpointed_s=self.checkpointed_s,
         )
 
     def _faulted(
@@ -751,6 +769,11 @@ class _Solver:
             self.copy_s_per_byte = weighted_median(per_byte["host"])
         if changes:
             self.rates = dataclasses.replace(self.rates, **changes)
+        # What the modules the user checkpoints cost every step (rule 6): out of the base.
+        checkpointed = [p for p, r in self.modules.items() if r.unsafe == ALREADY_RECOMPUTED]
+        forward = self._forward_of(tuple(checkpointed))
+        self.checkpointed_s = min(forward * self.recompute_factor, self.base_s / 2)
+        self.base_s -= self.checkpointed_s
 
     def _moving_steps(self, steps: list[StepRecord]) -> list[StepRecord]:
         """The warm steps that say what moving a byte costs (rule 9): ``steps``, and every

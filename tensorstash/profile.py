@@ -1135,10 +1135,16 @@ def _inputs_record(row: list[Any]) -> tuple[Any, ...]:
     return tuple((tuple(shape), str(dtype)) for shape, dtype in row)
 
 
+ALREADY_RECOMPUTED = (
+    "already recomputed (tensorstash.recompute or Hugging Face gradient checkpointing)"
+)
+"""``ModuleRecord.unsafe`` of a module the user checkpoints itself (its backward recomputes it)."""
+
+
 def _already_checkpointed(module: nn.Module) -> str | None:
     """Why ``module`` must not be recomputed again: the user already checkpoints it or around it."""
     if is_checkpointed(module):
-        return "already recomputed (tensorstash.recompute or Hugging Face gradient checkpointing)"
+        return ALREADY_RECOMPUTED
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     checkpointed = getattr(top[0], "__module__", None) == "torch.utils.checkpoint" if top else False
     if checkpointed and not in_plan_region():

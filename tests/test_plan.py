@@ -25,7 +25,7 @@ import tensorstash as ts
 from tensorstash import _pool
 from tensorstash.auto import TRIM_LEAST
 from tensorstash.plan import HOOK_S, Rates, make_plan, weighted_median
-from tensorstash.profile import ModuleRecord, SiteRecord, StepRecord
+from tensorstash.profile import ALREADY_RECOMPUTED, ModuleRecord, SiteRecord, StepRecord
 
 MiB = 1 << 20
 
@@ -49,7 +49,7 @@ def profile_of(
             profile.last[(path, "MulBackward0", occurrence)] = SiteRecord(order, nbytes)
             order += 1
     firsts = {
-        path: min(r.order for s, r in profile.last.items() if s[0].startswith(path))
+        path: min((r.order for s, r in profile.last.items() if s[0].startswith(path)), default=0)
         for path in modules
     }
     profile.modules = {  # each its own kind: twins would share their median time
@@ -136,6 +136,24 @@ def test_plan_recomputing_a_module_replaces_the_choices_inside_it() -> None:
     (choice,) = plan.choices
     assert choice.cost_s == pytest.approx(0.0015) and choice.saved_bytes == 7 * MiB
     assert plan.predicted_step_s - plan.base_step_s >= 0.0015
+
+
+def test_plan_predicts_the_recompute_of_modules_the_user_checkpoints() -> None:
+    already = {"a": ALREADY_RECOMPUTED}
+    profile = profile_of(
+        {"a": (0.1, MiB), "b": (0.05, MiB), "c": (0.05, MiB)},
+        {"b": [8 * MiB], "c": [8 * MiB]},
+        unsafe=already,
+    )
+    # Every step recomputes "a" (the user's): out of the plain step, into the prediction.
+    plan = make_plan(profile, 64 * MiB)
+    assert plan is not None and plan.recompute == ()
+    assert plan.checkpointed_s == pytest.approx(0.1)
+    assert plan.predicted_step_s - plan.base_step_s == pytest.approx(0.1)
+    assert "recomputes what you checkpoint, 100.0 ms" in plan.table()
+    plan = make_plan(profile, 9 * MiB)
+    assert plan is not None and plan.recompute == ("b",)
+    assert plan.predicted_step_s - plan.base_step_s == pytest.approx(0.15)
 
 
 def test_plan_takes_one_saving_that_covers_what_is_left() -> None:

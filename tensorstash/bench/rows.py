@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from tensorstash.bench.measure import StepResult
-from tensorstash.bench.variants import AUTO_PREFIX, NEEDS_BLOCKS
+from tensorstash.bench.variants import AUTO_PREFIX
 from tensorstash.stats import TIERS
 
 NAN = float("nan")
@@ -198,12 +198,10 @@ def summarize(
         for r, b in zip(steps, baseline, strict=True)
     )
     step_plans = [(r.seconds, p.predicted_step_s) for r, p in plans if p.predicted_step_s]
-    # A plan's base is its step with nothing moved: for a variant that wraps the blocks
-    # itself ("recompute"), that step recomputes every block, and none's is no measure of it.
+    # A plan's base is a plain step, nothing recomputed or moved, the blocks a variant
+    # recomputes itself ("recompute") included: its prediction adds them.
     overhead_plans = [
         (overhead, p.predicted_step_s / p.base_step_s)
-        if name not in NEEDS_BLOCKS
-        else (r.seconds, p.predicted_step_s)
         for r, overhead in zip(steps, overheads, strict=True)
         if (p := r.plan) is not None and p.predicted_step_s and p.base_step_s
     ]
