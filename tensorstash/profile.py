@@ -20,9 +20,12 @@
    training forward whose saved tensors are all under ``min_bytes`` is a step
    with no site: it has nothing to plan, and its steps run quiet (rule 8)
    like any plan that moves nothing; were it not counted, every one of its
-   steps would be measured, with hooks (2x the step of a small MLP). It
-   leaves the sites of the steps before it as they were (a short batch
-   between long ones).
+   steps would be measured, with hooks (2x the step of a small MLP). Between
+   steps that saved some (a short batch between long ones) it counts and
+   records nothing: the sites, times and real peaks of the steps before it
+   stay as they were (a 4-row batch that took a real peak sample and its
+   module times made a plan for 512 rows from them, which held more than its
+   budget).
 4. The sites inside a module that the plan recomputes are not saved in its
    steps (its region's own hooks keep them): they keep what an earlier step
    measured.
@@ -37,12 +40,17 @@
    ``remeasure_every`` steps, and in the two steps after a site's bytes change
    (another batch shape), and, with ``measure_memory``, in the steps after one
    whose plan (the modules it recomputes, the tiers it moves bytes to) took the
-   real peak in fewer than ``PEAK_SAMPLES`` (2) steps: a plan's real peak is
+   real peak in fewer than ``PEAK_SAMPLES`` (3) steps: a plan's real peak is
    predicted from steps that ran under it (backward's peak moves with what it
    recomputes), the median of what they held besides their saved bytes, and
    one step's real peak is not the next one's (on an HF GPT-2 config, 4
    layers, d=256, batch 4x128, 2 cores, no stash's ranged over 97-119 MiB in
    8 steps; predicted from one step, Auto's real peaks were off by up to 14%).
+   Three, so that one step far off does not move the median: under bf16
+   autocast at half its activation bytes, a plan there that spilled 6.5 MiB
+   took 36.3 and 57.4 MiB in its first two samples, about one step in seven
+   as high, and 35.9 MiB in the median of 8 later steps; predicted from two,
+   its peak was 1.3x the measured one.
    A measured step whose own plan is such a plan takes its peak too (the
    first step of a new plan, measured anyway, is the first sample). These
    steps, and the first of each run of measured steps, take the real peak,
@@ -113,9 +121,9 @@ STATE_VERSION = 3
 HISTORY = 5
 """Steps whose measurements a plan is made from (their medians)."""
 
-PEAK_SAMPLES = 2
+PEAK_SAMPLES = 3
 """Steps that take the real peak under each plan (rule 6): one step's real peak moves
-by up to a tenth from the next one's."""
+by up to a tenth from the next one's, and now and then by a half."""
 
 QUIET_NOISE = 0.25
 """How far the quiet steps' median time moves before the plan is made again (rule 8)."""
@@ -361,6 +369,9 @@ class Profile:
         if self._step is step:
             self._step = None
         if record is None:
+            return
+        if not self.current and self.last:  # rule 3: nothing saved between steps that saved
+            self.steps += 1
             return
         resized = any(
             site in self.last and self.last[site].nbytes != rec.nbytes

@@ -204,12 +204,12 @@ def test_profile_takes_the_peak_in_the_first_step_of_a_run_and_times_the_warm_on
         colds.append(last.cold)
         assert (last.peak_bytes is not None) == last.cold
     # Steps 0-2 time modules, 3-4 do not, 5-6 do again: the first of each run is cold,
-    # and so is the second step, the plan's second sample of the real peak.
-    assert PEAK_SAMPLES == 2
-    assert colds == [True, True, False, False, False, True, False]
+    # and so are the second and third steps, the plan's other samples of the real peak.
+    assert PEAK_SAMPLES == 3
+    assert colds == [True, True, True, False, False, True, False]
     assert profile.peak is profile.history[-2]  # the last step that took the peak
     assert len(profile.module_history) == 5
-    assert [cold for cold, _ in profile.module_history] == [True, True, False, True, False]
+    assert [cold for cold, _ in profile.module_history] == [True, True, True, True, False]
 
 
 def test_profile_takes_no_peak_in_a_step_that_imports_and_takes_it_in_the_next() -> None:
@@ -265,21 +265,34 @@ def test_profile_module_times_from_a_cold_step_count_only_until_a_warm_one() -> 
 def test_profile_makes_the_plan_again_after_the_warm_step_that_follows_a_cold_one() -> None:
     model, profile = net(), ts.Profile(measure_steps=1, remeasure_every=0)
     revisions, colds = [], []
-    for _ in range(4):
+    for _ in range(5):
         step(model, batch(), profile)
         revisions.append(profile._revision)
         colds.append(profile.history[-1].cold)
-    # The first two steps measure, cold (two samples of the real peak); the third is
-    # warm and measures nothing, yet its times are the first warm ones: the plan is
+    # The first three steps measure, cold (three samples of the real peak); the fourth
+    # is warm and measures nothing, yet its times are the first warm ones: the plan is
     # made again after it, then not.
-    assert PEAK_SAMPLES == 2
-    assert colds == [True, True, False, False]
-    assert revisions == [1, 2, 3, 3]
+    assert PEAK_SAMPLES == 3
+    assert colds == [True, True, True, False, False]
+    assert revisions == [1, 2, 3, 4, 4]
+
+
+def test_profile_step_that_saves_nothing_eligible_between_others_records_nothing() -> None:
+    model, profile = net(), ts.Profile(measure_steps=1, remeasure_every=0)
+    step(model, batch(), profile)  # the first sample of the real peak: more are due
+    state = profile.state_dict()
+    # Four rows save nothing over min_bytes: no sites, times or peak sample to keep.
+    with ts.stash("keep", profile=profile):
+        loss = model(batch(4).requires_grad_())
+    loss.backward()
+    assert profile.steps == 2
+    assert profile.state_dict() == {**state, "steps": 2}
+    assert profile.peak_due  # the next step of 128 rows takes the sample
 
 
 def test_profile_measures_both_steps_after_a_batch_of_another_shape() -> None:
     model, profile = net(), ts.Profile(measure_steps=1, remeasure_every=0)
-    for _ in range(2):
+    for _ in range(PEAK_SAMPLES):
         step(model, batch(128), profile)
     assert not profile._measures()
     step(model, batch(64), profile)  # another shape: two steps measure again
@@ -288,8 +301,8 @@ def test_profile_measures_both_steps_after_a_batch_of_another_shape() -> None:
         step(model, batch(64), profile)
         colds.append((profile.history[-1].cold, profile.history[-1].peak_bytes is not None))
     assert colds == [(True, True), (False, False), (False, False)]
-    # The first two steps (two samples of the real peak), then the two after the change.
-    assert len(profile.module_history) == 2 + PEAK_SAMPLES
+    # The first steps (the samples of the real peak), then the two after the change.
+    assert len(profile.module_history) == PEAK_SAMPLES + 2
 
 
 def test_lz4_reuses_the_encoding_a_profile_carries_from_the_last_step(
@@ -313,7 +326,7 @@ def test_lz4_reuses_the_encoding_a_profile_carries_from_the_last_step(
 
 def test_profile_state_dict_round_trips_and_plans_alike() -> None:
     model, profile = net(), ts.Profile()
-    for _ in range(2):
+    for _ in range(PEAK_SAMPLES):
         step(model, batch(), profile)
     state = profile.state_dict()
     torch.save(state, io.BytesIO())  # plain data: safe with weights_only loads
