@@ -40,9 +40,11 @@
    rule 7); the new plan adds its costs, a module's recompute at its forward
    time scaled by the median of timed over forward seconds in those steps.
    The modules the user checkpoints (``recompute``, Hugging Face's gradient
-   checkpointing) are recomputed by every step whatever the plan: their
-   forward time at that scale is taken out of the base and added to every
-   prediction (``Plan.checkpointed_s``), so the base is a plain step's.
+   checkpointing) are recomputed by every step whatever the plan: what that
+   took (timed in backward for ``recompute``'s, NOTE [ Recompute ] rule 7;
+   for Hugging Face's, their forward time at that scale) is taken out of the
+   base and added to every prediction (``Plan.checkpointed_s``), so the base
+   is a plain step's.
    The real peak is what the steps that took it under the last plan that
    did held besides their eligible saved bytes (the median of their peaks
    less the bytes held at each one's moment), plus the new plan's: the
@@ -770,10 +772,23 @@ class _Solver:
         if changes:
             self.rates = dataclasses.replace(self.rates, **changes)
         # What the modules the user checkpoints cost every step (rule 6): out of the base.
-        checkpointed = [p for p, r in self.modules.items() if r.unsafe == ALREADY_RECOMPUTED]
-        forward = self._forward_of(tuple(checkpointed))
-        self.checkpointed_s = min(forward * self.recompute_factor, self.base_s / 2)
+        self.checkpointed_s = max(min(self._checkpointed(steps), self.base_s / 2), 0.0)
         self.base_s -= self.checkpointed_s
+
+    def _checkpointed(self, steps: list[StepRecord]) -> float:
+        """Rule 6: what backward spends recomputing the modules the user checkpoints: as
+        timed in ``steps`` and the quiet ones, or their forward time at the recompute
+        factor (Hugging Face's checkpointing calls the module itself: its recompute is
+        not timed)."""
+        timed = [
+            s.checkpointed_s
+            for s in (*steps, *self.profile.quiet_history)
+            if s.checkpointed_s is not None
+        ]
+        if timed:
+            return statistics.median(timed)
+        checkpointed = [p for p, r in self.modules.items() if r.unsafe == ALREADY_RECOMPUTED]
+        return self._forward_of(tuple(checkpointed)) * self.recompute_factor
 
     def _moving_steps(self, steps: list[StepRecord]) -> list[StepRecord]:
         """The warm steps that say what moving a byte costs (rule 9): ``steps``, and every

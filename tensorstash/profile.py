@@ -36,7 +36,7 @@
    is known only against steps that move nothing, and stays known while
    another plan runs (``calibration_steps``).
 6. Module timings cost a few microseconds per module call: they are taken in
-   the first ``measure_steps`` steps, again in two steps every
+   the first ``measure_steps`` (4) steps, again in two steps every
    ``remeasure_every`` steps, and in the two steps after a site's bytes change
    (another batch shape), and, with ``measure_memory``, in the steps after one
    whose plan (the modules it recomputes, the tiers it moves bytes to) took the
@@ -60,8 +60,11 @@
    every page it touches is faulted in again, which made a module's forward
    time 2-3x what it is in training (HF GPT-2, 4 layers, d=256: a block 25 ms
    against 12 ms, its GELU 8 ms against 2.7 ms) and a step 1.5-2x. Its times
-   count only until a warm step measured the same thing, and the plan is
-   made again after that warm step, measured or not: a plan that first
+   count only until a warm step measured the same thing (the first
+   ``measure_steps`` are one more than the first plan's peak samples, so
+   the last of them is warm: with all of them cold, the HF GPT-2 config's
+   blocks were timed at 1.25x their warm forward for 25 steps), and the plan
+   is made again after that warm step, measured or not: a plan that first
    moved bytes in a cold step learns what moving cost only from it (NOTE
    [ Plan ] rule 9).
    A step in which the process imported Python modules takes no peak, and
@@ -112,7 +115,13 @@ from torch.utils._pytree import tree_leaves
 from tensorstash import _modules, _pool
 from tensorstash._memory import CudaPeak, PeakRss, faulted_since, meter, minor_faults
 from tensorstash._trim import release_free_heap
-from tensorstash.recompute import in_plan_region, is_checkpointed, take_recompute_seconds
+from tensorstash.recompute import (
+    in_plan_region,
+    is_checkpointed,
+    take_recompute_seconds,
+    take_user_recompute_seconds,
+    use_clock,
+)
 from tensorstash.stats import StashStats
 
 STATE_VERSION = 3
@@ -198,6 +207,9 @@ class StepRecord:
         trim_s: seconds the step's calls that handed memory back to the OS took
             (``StashStats.returned_seconds``, and the session pool's mapping and
             unmapping, ``PoolCounts.mapping_s``; NOTE [ Plan ] rule 8).
+        checkpointed_s: seconds backward spent recomputing the modules the
+            user wraps with ``recompute`` (NOTE [ Recompute ] rule 7), or None
+            where none was timed.
     """
 
     forward_s: float
@@ -211,6 +223,7 @@ class StepRecord:
     recompute_s: float | None = None
     faulted_bytes: int = 0
     trim_s: float = 0.0
+    checkpointed_s: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -266,7 +279,9 @@ class Profile:
     Args:
         clock: seconds, monotonic; injected for tests.
         stall_s: an unpack taking longer than this stalled backward.
-        measure_steps: steps whose module timings are always taken (rule 6).
+        measure_steps: steps whose module timings are always taken (rule 6):
+            the first of them, and the steps that take a plan's real peak, are
+            cold, and one more gives the warm times the plan is made from.
         remeasure_every: then every this many steps; 0 never again.
         measure_memory: take the real peak memory of each step (it resets
             the process's or device's peak; NOTE [ Real memory ] in _memory.py).
@@ -341,6 +356,7 @@ class Profile:
         # The first of a run, or the step that takes a new plan's peak (rule 6).
         cold = measure and (not self._measured_last or self.peak_due)
         self._measured_last = measure
+        take_user_recompute_seconds()  # left by backwards that were not this profile's
         step = _Step(self, ctx, min_bytes, measure=measure, cold=cold)
         self._step = step
         return step
@@ -778,6 +794,7 @@ def _step_row(record: StepRecord) -> dict[str, Any]:
         "recompute_s": record.recompute_s,
         "faulted_bytes": record.faulted_bytes,
         "trim_s": record.trim_s,
+        "checkpointed_s": record.checkpointed_s,
     }
 
 
@@ -794,6 +811,7 @@ def _step_record(row: dict[str, Any]) -> StepRecord:
         None if row["recompute_s"] is None else float(row["recompute_s"]),
         faulted_bytes=int(row.get("faulted_bytes", 0)),  # absent in older states
         trim_s=float(row.get("trim_s", 0.0)),
+        checkpointed_s=None if row.get("checkpointed_s") is None else float(row["checkpointed_s"]),
     )
 
 
@@ -920,6 +938,8 @@ class _Step:
                 if t.grad_fn is not None and t.nbytes >= self.min_bytes
             )
             record.unsafe = _already_checkpointed(module)
+            if record.unsafe == ALREADY_RECOMPUTED:
+                use_clock(module, profile.clock)  # its recompute, timed alike
         record.calls += 1
         self._calls.append(call)
 
@@ -1005,6 +1025,7 @@ class _Step:
         for path, start, stop in self._timings:
             self.modules[path].forward_s += timer.seconds(start, stop)
         recompute_s = self.profile.take_recompute_seconds(self.recomputed)
+        checkpointed_s = take_user_recompute_seconds()
         record = StepRecord(
             forward_s=timer.seconds(self._begun, self._forward_end),
             backward_s=timer.seconds(self._forward_end, end),
@@ -1017,6 +1038,7 @@ class _Step:
             recompute_s=recompute_s,
             faulted_bytes=faulted_since(self._faults) or 0,
             trim_s=stats.returned_seconds + _mapping_s() - self._mapped,
+            checkpointed_s=checkpointed_s,
         )
         self.profile._finished(self, record)
 
@@ -1115,6 +1137,7 @@ class _QuietStep:
             return None
         profile = self.profile()
         recompute_s = None if profile is None else profile.take_recompute_seconds(self.recomputed)
+        checkpointed_s = take_user_recompute_seconds()
         timer = self.timer
         self.end, end = None, self.end
         return StepRecord(
@@ -1126,6 +1149,7 @@ class _QuietStep:
             recompute_s=recompute_s,
             faulted_bytes=self.faulted,
             trim_s=self.trim_s,
+            checkpointed_s=checkpointed_s,
         )
 
 

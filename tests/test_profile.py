@@ -147,6 +147,30 @@ def test_profile_marks_modules_that_change_state_in_forward_unsafe() -> None:
     assert profile.modules["0"].unsafe is None and profile.modules["2"].unsafe is None
 
 
+def test_profile_times_the_recompute_of_modules_the_user_wraps() -> None:
+    model, ticks = net(), Ticks()
+    profile = ts.Profile(clock=ticks)
+    step(model, batch(), profile)
+    assert profile.history[-1].checkpointed_s is None  # nothing of the user's recomputed
+    ts.recompute_modules(model, ["blocks.0", "blocks.2"])
+    forward = model.blocks[0].forward
+    model.blocks[0](batch().requires_grad_()).sum().backward()  # no profile's step: not counted
+    for _ in range(2):
+        before = ticks.now
+        step(model, batch(), profile)
+        taken = profile.history[-1].checkpointed_s
+        # Timed with the profile's clock, in backward only: a part of the step's ticks.
+        assert taken is not None and 0 < taken < ticks.now - before
+    fresh = ts.Profile()
+    fresh.load_state_dict(profile.state_dict())
+    assert fresh.history[-1].checkpointed_s == taken
+    plan = ts.plan.make_plan(profile, 1 << 40, rates=ts.plan.Rates(refault=0))  # ticks only
+    assert plan is not None and plan.checkpointed_s > 0  # in the prediction, not the base
+    assert plan.predicted_step_s == pytest.approx(plan.base_step_s + plan.checkpointed_s)
+    assert model.blocks[0].forward is forward
+    ts.unrecompute(model)
+
+
 def test_profile_marks_modules_already_checkpointed_unsafe() -> None:
     model = net()
     ts.recompute(model.blocks[0])
