@@ -36,7 +36,7 @@
    is known only against steps that move nothing, and stays known while
    another plan runs (``calibration_steps``).
 6. Module timings cost a few microseconds per module call: they are taken in
-   the first ``measure_steps`` (4) steps, again in two steps every
+   the first ``measure_steps`` steps, again in two steps every
    ``remeasure_every`` steps, and in the two steps after a site's bytes change
    (another batch shape), and, with ``measure_memory``, in the steps after one
    whose plan (the modules it recomputes, the tiers it moves bytes to) took the
@@ -60,11 +60,8 @@
    every page it touches is faulted in again, which made a module's forward
    time 2-3x what it is in training (HF GPT-2, 4 layers, d=256: a block 25 ms
    against 12 ms, its GELU 8 ms against 2.7 ms) and a step 1.5-2x. Its times
-   count only until a warm step measured the same thing (the first
-   ``measure_steps`` are one more than the first plan's peak samples, so
-   the last of them is warm: with all of them cold, the HF GPT-2 config's
-   blocks were timed at 1.25x their warm forward for 25 steps), and the plan
-   is made again after that warm step, measured or not: a plan that first
+   count only until a warm step measured the same thing, and the plan is
+   made again after that warm step, measured or not: a plan that first
    moved bytes in a cold step learns what moving cost only from it (NOTE
    [ Plan ] rule 9).
    A step in which the process imported Python modules takes no peak, and
@@ -279,9 +276,7 @@ class Profile:
     Args:
         clock: seconds, monotonic; injected for tests.
         stall_s: an unpack taking longer than this stalled backward.
-        measure_steps: steps whose module timings are always taken (rule 6):
-            the first of them, and the steps that take a plan's real peak, are
-            cold, and one more gives the warm times the plan is made from.
+        measure_steps: steps whose module timings are always taken (rule 6).
         remeasure_every: then every this many steps; 0 never again.
         measure_memory: take the real peak memory of each step (it resets
             the process's or device's peak; NOTE [ Real memory ] in _memory.py).

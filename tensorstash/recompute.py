@@ -36,9 +36,10 @@
    guess: forward allocates what backward's recompute lays over pages forward
    freed (HF GPT-2 blocks on a trimmed heap: forward 24 ms, recompute 11 ms),
    and a measured forward carries the profile's timing of every module in it
-   (the HF GPT-2 config's four blocks, with :func:`recompute` on each: 105 ms
-   of forward, 65-80 ms of recompute). A module :func:`recompute` wraps is
-   timed alike, so a plan knows what the user's own recompute costs a step.
+   (the HF GPT-2 config's four blocks, with :func:`recompute` on each: about
+   100 ms of forward, cold, and 51-55 ms of recompute). A module that
+   :func:`recompute` wraps is timed alike, so a plan knows what the user's
+   own recompute costs a step.
 """
 
 from __future__ import annotations
