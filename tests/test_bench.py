@@ -172,6 +172,32 @@ def test_format_table_has_one_line_per_policy_and_the_skipped_ones(
     assert any(line.startswith("budgets: ") and "auto:50% = " in line for line in lines)
 
 
+def test_bench_step_begins_with_the_last_steps_session_let_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A session kept alive holds its lease on the session pool: the next step would begin
+    with the pool's blocks resident and count less growth than it makes."""
+    import weakref
+
+    from tensorstash.bench import measure
+    from tensorstash.bench.workloads import builtin_workload
+
+    runner = measure.StepRunner(builtin_workload("tiny", 0), torch.device("cpu"), torch.float32, 0)
+    runner.take_reference()
+    runner.step("auto:50%")
+    last = weakref.ref(runner.session)
+    seen: list[object] = []
+    meter = measure.meter
+
+    def watched(device: torch.device) -> Any:
+        seen.append(last())
+        return meter(device)
+
+    monkeypatch.setattr(measure, "meter", watched)
+    runner.step("none")
+    assert seen == [None]
+
+
 # -- the planner's prediction ------------------------------------------------------------
 
 
