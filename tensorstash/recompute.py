@@ -309,7 +309,7 @@ def wrap_for_plan(module: nn.Module, clock: Callable[[], float] = time.perf_coun
     """
     if is_checkpointed(module) or module in _plan_saved:
         return False
-    _clocks[module] = clock
+    use_clock(module, clock)
     _plan_saved[module] = vars(module).get("forward", _NOTHING)
     wrapper = _plan_wrapper(module)
     module.forward = wrapper
