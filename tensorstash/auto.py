@@ -9,7 +9,7 @@
    decision log.
 2. ``memory`` is a :class:`Memory` snapshot: device free/total bytes (CUDA:
    ``torch.cuda.mem_get_info``; a CPU tensor's device is the host), host
-   available bytes (psutil), and the bytes this session holds per tier.
+   available bytes (/proc/meminfo, or psutil), and the bytes this session holds per tier.
 3. Probes are arguments with defaults and their readings are cached for
    ``refresh_s`` seconds of the injected clock, so a decision costs a few
    microseconds, not a system call.
@@ -47,11 +47,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import psutil
 import torch
 from torch import Tensor, nn
 
 from tensorstash import _modules, _pool, _rates, _reasons
+from tensorstash._memory import host_ram
 from tensorstash._names import resolve
 from tensorstash._reasons import Reason, Why, reason
 from tensorstash._trim import Watch
@@ -89,9 +89,8 @@ def device_memory(device: torch.device) -> tuple[int, int]:
 
 
 def host_memory(device: torch.device | None = None) -> tuple[int, int]:
-    """Available and total bytes of host RAM."""
-    info = psutil.virtual_memory()
-    return int(info.available), int(info.total)
+    """Available and total bytes of host RAM (:func:`~tensorstash._memory.host_ram`)."""
+    return host_ram()
 
 
 def check_probes(owner: Any, api: str) -> None:
@@ -117,7 +116,8 @@ class Select:
     Args:
         rule: ``rule(tensor, memory) -> Policy`` (a policy object or name).
         device_probe: ``(device) -> (free, total)``; default: CUDA's or the host's.
-        host_probe: ``(device) -> (available, total)`` of host RAM; default psutil.
+        host_probe: ``(device) -> (available, total)`` of host RAM; default:
+            /proc/meminfo (psutil where there is none).
         refresh_s: how long a probe's reading is reused.
         clock: seconds, monotonic; injected for tests.
 
@@ -767,8 +767,8 @@ def _shared_probes(device: Probe, host: Probe, clock: Callable[[], float]) -> Se
     """The probes an Auto reads through: one reading shared by every Auto with the defaults.
 
     ``stash("auto")`` makes an Auto each step; with its own probes each step
-    would ask the device and psutil again (``torch.cuda.mem_get_info`` and
-    ``psutil.virtual_memory``, a fraction of a millisecond each).
+    would ask the device and the host again (``torch.cuda.mem_get_info`` and
+    /proc/meminfo).
     """
     key = (device, host, clock)
     if key != (device_memory, host_memory, time.monotonic):

@@ -476,7 +476,10 @@ class Profile:
 
     def _read_quiet(self, *, final: bool) -> None:
         """Take the times of quiet steps whose backward ended and whose events completed."""
+        if not self._quiet:
+            return
         pending = []
+        taken = False
         for quiet in self._quiet:
             if quiet.forward_end is None:
                 quiet.abandon()  # its forward never ended (it raised): its hook goes
@@ -484,12 +487,13 @@ class Profile:
             record = quiet.record(final=final)
             if record is not None:
                 self.quiet_history.append(record)
+                taken = True
             elif not quiet.over():
                 pending.append(quiet)
         for old in pending[:-2]:
             old.abandon()  # no step waits on more than the two before it
         self._quiet = pending[-2:]
-        if self.quiet_history:
+        if taken:
             # A plan's quiet base (NOTE [ Plan ] rule 7) is made again once it moved
             # beyond its noise: the plan changes only then (rule 5).
             now = statistics.median(rec.seconds for rec in self.quiet_history)
@@ -1150,6 +1154,8 @@ class _QuietStep:
 
 def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """The shapes and dtypes of the tensors a model is called with (rule 8)."""
+    if not kwargs and all(type(a) is Tensor for a in args):  # the common call, without pytree
+        return tuple((tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in args)
     return tuple(
         (tuple(t.shape), str(t.dtype).removeprefix("torch."))
         for t in tree_leaves((args, kwargs))

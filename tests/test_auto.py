@@ -280,3 +280,13 @@ def test_auto_makes_no_tier_in_a_step_that_keeps_everything(
     assert len(made) == 1  # made once, when a tensor first went to disk
     assert session.stats.to_dict()["tiers"]["disk"]["tensors"] >= 1
     assert all(torch.equal(a, b) for a, b in zip(plain(model), grads, strict=True))
+
+
+def test_host_memory_reads_what_psutil_reads() -> None:
+    psutil = pytest.importorskip("psutil")
+    from tensorstash.auto import host_memory
+
+    available, total = host_memory()
+    info = psutil.virtual_memory()
+    assert total == info.total
+    assert abs(available - info.available) < max(info.total // 50, 64 << 20)

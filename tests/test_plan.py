@@ -907,6 +907,25 @@ def test_plan_on_cuda_prices_copies_at_what_they_cost_the_steps() -> None:
     assert all(c.cost_s == pytest.approx(0.0, abs=1e-9) for c in plan.choices)
 
 
+def test_plan_on_cuda_prices_no_copy_at_a_cold_step() -> None:
+    # A profile's first step copies cold: it allocates the pinned buffers (on the bench's
+    # large model on an H200, 3.6 s against a 0.5 s step). Priced at it, copies never won
+    # again and the plan recomputed every block; until a warm step copied, the copies the
+    # link hides are free.
+    link = Rates(link=1e12)
+    profile = copied_only(1.0)
+    profile.history.append(StepRecord(0.1, 0.202, 9 * MiB, None, ("a",), recompute_s=0.002))
+    for record in profile.history:
+        record.cold = True  # each took the real peak of its plan: no warm step yet
+    profile.quiet_history.append(StepRecord(0.1, 0.2, 0, None))  # hooks: next to nothing
+    plan = make_plan(profile, 9 * MiB, device="cuda", rates=link)
+    assert plan is not None and plan.tiers and not plan.recompute
+    # A warm step that copied at that cost: recomputing is cheaper.
+    profile.history[0].cold = False
+    plan = make_plan(profile, 9 * MiB, device="cuda", rates=link)
+    assert plan is not None and plan.recompute == ("a",) and not plan.tiers
+
+
 def test_plan_on_cuda_takes_a_copying_step_as_its_base_and_prices_no_faults() -> None:
     # A budget no plan reaches: every step copies. The policies' 0.05 s overlap the
     # kernels, and the pages faulted in are host memory (new pinned buffers).

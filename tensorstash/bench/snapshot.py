@@ -36,8 +36,12 @@ def snapshot_round(
 
     directory.mkdir(parents=True, exist_ok=True)
     # Each file holds one step: the history of the step before is dropped where torch can.
-    fresh = "clear_history" in inspect.signature(cuda_memory._record_memory_history).parameters
-    options: dict[str, Any] = {"clear_history": True} if fresh else {}
+    parameters = inspect.signature(cuda_memory._record_memory_history).parameters
+    options: dict[str, Any] = {"clear_history": True} if "clear_history" in parameters else {}
+    if "context" in parameters:
+        # Stacks of allocations only: recording them at frees too ("all", the default) made
+        # a recomputed dropout fail in backward (SystemError, torch 2.11 on an H200).
+        options["context"] = "alloc"
     for name in names:
         torch.cuda.synchronize(runner.device)
         cuda_memory._record_memory_history(max_entries=200_000, device=runner.device, **options)
