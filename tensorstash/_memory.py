@@ -134,8 +134,10 @@ def minor_faults() -> int | None:
 def faulted_since(faults: int | None) -> int | None:
     """Bytes the process faulted in since :func:`minor_faults` read ``faults``, or None
     where faults are not counted."""
+    if faults is None:
+        return None
     now = minor_faults()
-    return None if faults is None or now is None else (now - faults) * PAGE_SIZE
+    return None if now is None else (now - faults) * PAGE_SIZE
 
 
 class PeakRss:

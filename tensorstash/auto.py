@@ -518,7 +518,8 @@ class _AutoState:
         session = self.session() if self.session is not None else None
         if session is None or not session.go_quiet():
             return
-        quiet = profile.went_quiet(module, tuple(path for path, _ in self.recomputed))
+        paths = tuple(path for path, _ in self.recomputed)
+        quiet = profile.went_quiet(module, paths, timed=self.watch is not None)
         if self.watch is not None and quiet is not None:
             # The stats count nothing now: trim until the backward through the output ends,
             # and let the session pool go then, not at the watch's next look.

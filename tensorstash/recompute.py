@@ -298,6 +298,8 @@ def take_recompute_seconds(modules: Iterable[nn.Module]) -> float | None:
 def take_user_recompute_seconds() -> float | None:
     """Seconds backward spent recomputing the modules :func:`recompute` wraps since the
     last call (rule 7), or None where none was timed."""
+    if not _recompute_s:  # asked at every step's start
+        return None
     return take_recompute_seconds([m for m in list(_recompute_s) if _WRAPPED in vars(m)])
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from zoo import Block
 
 import tensorstash as ts
-from tensorstash.profile import PEAK_SAMPLES
+from tensorstash.profile import HISTORY, PEAK_SAMPLES, QUIET_TIMED_EVERY
 
 MiB = 1 << 20
 
@@ -389,6 +389,28 @@ def test_profile_times_quiet_steps_from_the_call_to_the_end_of_backward() -> Non
     for record in profile.quiet_history:
         assert record.forward_s > 0 and record.backward_s > 0 and record.moved == {}
     assert profile.inputs == (((128, 256), "float32"),)
+
+
+def test_profile_times_one_quiet_step_in_four_once_it_has_enough() -> None:
+    model, profile = net(), ts.Profile(clock=Ticks(), remeasure_every=0)
+    timed: list[bool] = []
+    went_quiet = profile.went_quiet
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        quiet = went_quiet(*args, **kwargs)
+        timed.append(quiet is not None)
+        return quiet
+
+    profile.went_quiet = spy  # type: ignore[method-assign]
+    while len(profile.quiet_history) < HISTORY:
+        step(model, batch(), profile, ts.Auto())
+    assert all(timed[:HISTORY])  # until the history is full, every quiet step
+    timed.clear()
+    for _ in range(3 * QUIET_TIMED_EVERY):
+        session = step(model, batch(), profile, ts.Auto())
+        assert session.stats.quiet == 1
+    assert timed.count(True) == 3
+    assert profile.steps == len(profile.history) + HISTORY + len(timed) + 1
 
 
 def test_profile_quiet_step_without_a_backward_records_nothing() -> None:
