@@ -127,11 +127,14 @@
      recompute, per byte), and copies are priced at it, plus the link's time
      for the bytes the link cannot move while forward runs. On ``large``,
      whose kernels hide its copies, that is next to nothing, and copies stay
-     cheaper than recomputing. A cold step never prices a copy, even where no
-     warm step ran yet: on ``large`` at a quarter of its activation bytes each
+     cheaper than recomputing. No step that copied more bytes than any
+     before it prices a copy (``StepRecord.first_copy``), even where no warm
+     step ran yet: on ``large`` at a quarter of its activation bytes each
      measured step was cold (it took its plan's real peak), the first one's
      3.6 s priced every copy, and the plan recomputed every block (1.27x no
-     stash's step, against 1.02x for copying at half).
+     stash's step; copying, 1.03x). Other cold steps do: with every cold
+     step skipped, ``medium`` at a quarter copied through the bench's 8 timed
+     rounds (3.3x no stash's step, against 2.3x for the plan that recomputes).
    Steps that leave the history are kept aside by kind
    (``Profile.calibration_steps``), so what was measured stays known while
    the other plan runs, and the plan does not flip back to try it again.
@@ -756,8 +759,8 @@ class _Solver:
             self.hooks_s = min(HOOK_S * len(self.sites), self.base_s / 2)
         per_byte: dict[str, list[tuple[float, int]]] = {}
         for s in self._moving_steps(steps):
-            if len(s.moved) != 1 or (s.cold and self.device == "cuda"):
-                continue  # rule 9: a cold CUDA step's copies include allocating pinned buffers
+            if len(s.moved) != 1 or (s.first_copy and self.device == "cuda"):
+                continue  # rule 9: its copies include allocating pinned buffers
             ((tier, nbytes),) = s.moved.items()
             extra = s.seconds - self.base_s - self._cost_of(s)
             per_byte.setdefault(tier, []).append((max(extra, 0.0) / nbytes, nbytes))

@@ -216,6 +216,10 @@ class StepRecord:
         checkpointed_s: seconds backward spent recomputing the modules the
             user wraps with ``recompute`` (NOTE [ Recompute ] rule 7), or None
             where none was timed.
+        first_copy: it moved more bytes to the host tier than any step of
+            this process before it: on CUDA it allocated the pinned buffers
+            its copies use, and its time does not say what a copy costs
+            (NOTE [ Plan ] rule 9).
     """
 
     forward_s: float
@@ -230,6 +234,7 @@ class StepRecord:
     faulted_bytes: int = 0
     trim_s: float = 0.0
     checkpointed_s: float | None = None
+    first_copy: bool = False
 
     @property
     def seconds(self) -> float:
@@ -333,6 +338,7 @@ class Profile:
     _quiet: list[_QuietStep] = field(default_factory=list)
     _quiet_seen: float | None = None
     _quiet_untimed = 0  # quiet steps not timed since the last timed one (rule 8)
+    _most_copied = 0  # the most bytes a step of this process moved to host (first_copy)
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickles (a spawned process's copy): the measurements, not the live links.
@@ -816,6 +822,7 @@ def _step_row(record: StepRecord) -> dict[str, Any]:
         "faulted_bytes": record.faulted_bytes,
         "trim_s": record.trim_s,
         "checkpointed_s": record.checkpointed_s,
+        "first_copy": record.first_copy,
     }
 
 
@@ -833,6 +840,7 @@ def _step_record(row: dict[str, Any]) -> StepRecord:
         faulted_bytes=int(row.get("faulted_bytes", 0)),  # absent in older states
         trim_s=float(row.get("trim_s", 0.0)),
         checkpointed_s=None if row.get("checkpointed_s") is None else float(row["checkpointed_s"]),
+        first_copy=bool(row.get("first_copy", False)),
     )
 
 
@@ -1047,6 +1055,8 @@ class _Step:
             self.modules[path].forward_s += timer.seconds(start, stop)
         recompute_s = self.profile.take_recompute_seconds(self.recomputed)
         checkpointed_s = take_user_recompute_seconds()
+        first_copy = moved["host"] > self.profile._most_copied
+        self.profile._most_copied = max(self.profile._most_copied, moved["host"])
         record = StepRecord(
             forward_s=timer.seconds(self._begun, self._forward_end),
             backward_s=timer.seconds(self._forward_end, end),
@@ -1060,6 +1070,7 @@ class _Step:
             faulted_bytes=faulted_since(self.faults) or 0,
             trim_s=stats.returned_seconds + _mapping_s() - self._mapped,
             checkpointed_s=checkpointed_s,
+            first_copy=first_copy,
         )
         self.profile._finished(self, record)
 

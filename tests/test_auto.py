@@ -290,3 +290,15 @@ def test_host_memory_reads_what_psutil_reads() -> None:
     info = psutil.virtual_memory()
     assert total == info.total
     assert abs(available - info.available) < max(info.total // 50, 64 << 20)
+
+
+def test_device_memory_on_cuda_counts_what_the_caching_allocator_holds_unused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The driver sees the allocator's cached blocks as taken; they serve the next tensors.
+    from tensorstash.auto import device_memory
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (6 << 30, 140 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 120 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 4 << 30)
+    assert device_memory(torch.device("cuda", 0)) == (122 << 30, 140 << 30)

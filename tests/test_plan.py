@@ -907,23 +907,40 @@ def test_plan_on_cuda_prices_copies_at_what_they_cost_the_steps() -> None:
     assert all(c.cost_s == pytest.approx(0.0, abs=1e-9) for c in plan.choices)
 
 
-def test_plan_on_cuda_prices_no_copy_at_a_cold_step() -> None:
-    # A profile's first step copies cold: it allocates the pinned buffers (on the bench's
+def test_plan_on_cuda_prices_no_copy_at_the_step_that_first_copied() -> None:
+    # The first step to copy so many bytes allocates the pinned buffers (on the bench's
     # large model on an H200, 3.6 s against a 0.5 s step). Priced at it, copies never won
-    # again and the plan recomputed every block; until a warm step copied, the copies the
-    # link hides are free.
+    # again and the plan recomputed every block; until another step copied, the copies
+    # the link hides are free.
     link = Rates(link=1e12)
     profile = copied_only(1.0)
+    profile.history.pop()
+    profile.history[0].first_copy = True
     profile.history.append(StepRecord(0.1, 0.202, 9 * MiB, None, ("a",), recompute_s=0.002))
     for record in profile.history:
         record.cold = True  # each took the real peak of its plan: no warm step yet
     profile.quiet_history.append(StepRecord(0.1, 0.2, 0, None))  # hooks: next to nothing
     plan = make_plan(profile, 9 * MiB, device="cuda", rates=link)
     assert plan is not None and plan.tiers and not plan.recompute
-    # A warm step that copied at that cost: recomputing is cheaper.
-    profile.history[0].cold = False
+    # A later step that copied at that cost, cold or not, prices it: recomputing wins.
+    again = StepRecord(1 / 3, 2 / 3, 8 * MiB, None, (), 0.05, {"host": 8 * MiB}, cold=True)
+    profile.history.append(again)
     plan = make_plan(profile, 9 * MiB, device="cuda", rates=link)
     assert plan is not None and plan.recompute == ("a",) and not plan.tiers
+
+
+def test_profile_marks_the_steps_that_copy_more_than_any_before() -> None:
+    model, profile = fresh(), ts.Profile()
+    for policy, rows in (("keep", 512), ("lz4", 512), ("lz4", 128)):
+        model.zero_grad(set_to_none=True)
+        with ts.stash(policy, profile=profile):
+            loss = model(torch.zeros(rows, 256))  # zeros: lz4 keeps them compressed
+        loss.backward()
+    assert [r.first_copy for r in profile.history] == [False, True, False]
+    assert profile.history[1].moved["host"] > profile.history[2].moved["host"] > 0
+    restored = ts.Profile()
+    restored.load_state_dict(profile.state_dict())
+    assert [r.first_copy for r in restored.history] == [False, True, False]
 
 
 def test_plan_on_cuda_takes_a_copying_step_as_its_base_and_prices_no_faults() -> None:
