@@ -69,7 +69,7 @@ def host_ram() -> tuple[int, int]:
     Linux's ``MemAvailable`` and ``MemTotal`` from /proc/meminfo, what
     ``psutil.virtual_memory()`` reports there, read through one descriptor
     the process keeps open (system-wide: a forked child may share it) in
-    about 5 us against psutil's 50-250 us (it opens the file and parses every
+    about 10 us against psutil's 50-250 us (it opens the file and parses every
     line): Auto reads it every step. Elsewhere, or on a kernel without
     ``MemAvailable``, psutil.
     """
