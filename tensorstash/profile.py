@@ -1191,11 +1191,11 @@ class _QuietStep:
 
 def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """The shapes and dtypes of the tensors a model is called with (rule 8)."""
-    if not kwargs and all(type(a) is Tensor for a in args):  # the common call, without pytree
-        return tuple((tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in args)
+    plain = not kwargs and all(type(a) is Tensor for a in args)  # the common call: no pytree
+    leaves = args if plain else tree_leaves((args, kwargs))
     return tuple(
         (tuple(t.shape), str(t.dtype).removeprefix("torch."))
-        for t in tree_leaves((args, kwargs))
+        for t in leaves
         if isinstance(t, Tensor)
     )
 
