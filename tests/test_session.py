@@ -99,6 +99,25 @@ def test_stash_rejects_bad_arguments(kwargs: dict[str, object], error: type, mat
         ts.stash(**kwargs)  # type: ignore[arg-type]
 
 
+def test_the_name_auto_is_one_auto_whose_sessions_keep_their_own_steps() -> None:
+    # stash("auto") at every step parses nothing again; each session plans from its own profile.
+    assert ts.stash("auto").policy is ts.stash().policy
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
+    x = torch.randn(512, 64)
+    model(x).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    profiles = [ts.Profile(), ts.Profile()]
+    for step in range(4):
+        for profile in profiles[: 1 + step % 2]:
+            model.zero_grad(set_to_none=True)
+            with ts.stash("auto", profile=profile):
+                loss = model(x).sum()
+            loss.backward()
+            assert all(torch.equal(e, p.grad) for e, p in zip(expected, model.parameters()))
+    assert [p.steps for p in profiles] == [4, 2]
+
+
 @pytest.mark.parametrize(
     ("make", "error", "match"),
     [
