@@ -114,7 +114,8 @@ def test_the_name_auto_is_one_auto_whose_sessions_keep_their_own_steps() -> None
             with ts.stash("auto", profile=profile):
                 loss = model(x).sum()
             loss.backward()
-            assert all(torch.equal(e, p.grad) for e, p in zip(expected, model.parameters()))
+            grads = [p.grad for p in model.parameters()]
+            assert all(torch.equal(e, g) for e, g in zip(expected, grads, strict=True))
     assert [p.steps for p in profiles] == [4, 2]
 
 
