@@ -82,7 +82,7 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -109,7 +109,6 @@ PREFETCH_DEPTH = 2
 """How many earlier packs an unpack starts bringing back."""
 
 
-
 @functools.cache
 def _auto() -> Auto:
     """The ``Auto`` that "auto" names: one per process. An Auto holds no state of its
@@ -118,7 +117,7 @@ def _auto() -> Auto:
     return Auto()
 
 
-NAMES = {**POLICIES, "auto": _auto}
+NAMES: dict[str, Callable[[], Any]] = {**POLICIES, "auto": _auto}
 """The policy names ``stash()`` accepts."""
 
 _local = threading.local()
