@@ -413,6 +413,22 @@ def test_profile_times_one_quiet_step_in_four_once_it_has_enough() -> None:
     assert profile.steps == len(profile.history) + HISTORY + len(timed) + 1
 
 
+@pytest.mark.parametrize(("recompute", "hooked_later"), [((), False), (("blocks.0",), True)])
+def test_profile_times_modules_again_only_where_the_plan_recomputes(
+    recompute: tuple[str, ...], hooked_later: bool
+) -> None:
+    """Rule 6: a plan that keeps every site and recomputes nothing is the same plan
+    whatever its modules cost, so its quiet steps are not interrupted every
+    ``remeasure_every`` steps by steps that time them (with hooks); a plan that
+    recomputes is priced by those times, and its modules are timed again."""
+    model, profile = net(), ts.Profile(remeasure_every=5)
+    auto = ts.Auto(always_recompute=recompute)
+    quiet = [step(model, batch(), profile, auto).stats.quiet for _ in range(16)]
+    settled = quiet.index(1)
+    assert settled <= 5
+    assert (0 in quiet[settled:]) == hooked_later
+
+
 def test_profile_quiet_step_without_a_backward_records_nothing() -> None:
     model, profile = net(), ts.Profile(clock=Ticks())
     for _ in range(3):
