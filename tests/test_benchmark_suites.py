@@ -49,3 +49,15 @@ def test_training_loop_benchmark_trains_each_variant_alone(tmp_path: Path) -> No
     assert [row[0] for row in rows] == ["none", "disk", "disk-untrimmed", "auto:50%"]
     assert all(row[-1].endswith("x") and float(row[-1][:-1]) > 0 for row in rows)  # overheads
     assert list(tmp_path.iterdir()) == []  # the spill directory went with its processes
+
+
+def test_quiet_loop_benchmark_runs_auto_without_hooks_after_it_learned() -> None:
+    command = [sys.executable, "benchmarks/quiet_loop.py", "--model", "tiny", "--steps", "30"]
+    command += ["--skip", "4", "--threads", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    hooked = next(line for line in result.stdout.splitlines() if line.startswith("steps with"))
+    # It learns in its first steps; past them (steps 25 and 26 included) it runs quiet.
+    assert max(int(step) for step in hooked.split("[")[1].rstrip("]").split(",")) < 8
+    assert "median" in result.stdout and "mean" in result.stdout
