@@ -42,8 +42,9 @@
    made again when the budget moves is made from the times taken; on the HF
    GPT-2 config at Auto's default budget, 2 cores, the first of each two
    took 1.5x no stash's step, running with hooks from a heap handed back to
-   the OS, and a loop of 80 steps 1.020x no stash's mean step against 0.995x
-   without them), and in the two steps after a site's bytes change
+   the OS, and a loop of 80 steps 1.032x no stash's mean step against 0.983x
+   without them: ``benchmarks/quiet_loop.py``), and in the two steps after a
+   site's bytes change
    (another batch shape), and, with ``measure_memory``, in the steps after one
    whose plan (the modules it recomputes, the tiers it moves bytes to) took the
    real peak in fewer than ``PEAK_SAMPLES`` (3) steps: a plan's real peak is
