@@ -22,6 +22,12 @@ Global module hooks are registered while any session is open. They:
    thread's for good (on an H200, after the bench's ``medium`` sweep, 23
    finished steps were still told of every module call of every session).
 
+5. A session that opens quiet (rule 11 of NOTE [ Session ] in stash.py)
+   tracks nothing; it asks only to hear of the next module call on its
+   thread (:func:`next_call`): one global pre-hook, under the same key every
+   time (as in :func:`track`), taken out at that call, so the modules inside
+   run torch's path without hooks.
+
 Global forward pre-hooks run before a module's own pre-hooks, and wrappers
 swap tensors in from their own: FSDP2 (``fully_shard``) registers the
 unsharded parameters of the module it wraps in its pre-forward hook, after
@@ -52,6 +58,9 @@ _lock = threading.Lock()
 _users = 0
 _keys: tuple[int, int] | None = None  # our hooks' keys in torch's global hook tables
 _filter: Any = None  # our entry in warnings.filters, once made
+_next_key: int | None = None  # next_call's hook's key in torch's global pre-hook table
+# next_call's callbacks by thread: told of the next module call on that thread.
+_next: dict[int, Callable[[nn.Module, Any], None]] = {}
 # Parameters and buffers by the address of their data: a weak reference to
 # their storage (the entry goes with it) and "parameter" or "buffer". A saved
 # tensor is looked up by its address (no storage object is made for it), and
@@ -142,6 +151,12 @@ def _enter(module: nn.Module, args: Any) -> None:
     if observers:
         for observer in tuple(observers):  # an observer may leave while told
             observer.entered(module, args)
+
+
+def enter(module: nn.Module, args: Any) -> None:
+    """Follow ``module`` from inside its call, as this module's pre-hook would have:
+    tracking began after its global pre-hooks ran (rule 5)."""
+    _enter(module, args)
 
 
 def _name_tree(root: nn.Module) -> None:
@@ -274,6 +289,47 @@ def _ignore_compile_warning() -> None:
         return
     warnings.filterwarnings("ignore", message=_COMPILE_WARNING)
     _filter = warnings.filters[0]
+
+
+def next_call(callback: Callable[[nn.Module, Any], None]) -> Callable[[], None]:
+    """Call ``callback(module, args)`` at the next module call on this thread, once (rule 5).
+
+    Returns the call that cancels it (a no-op once it was called).
+    """
+    global _next_key
+    ident = threading.get_ident()
+    with _lock:
+        _next[ident] = callback
+        _ignore_compile_warning()
+        if _next_key is None:
+            _next_key = module_hooks.register_module_forward_pre_hook(_called).id
+        else:
+            module_hooks._global_forward_pre_hooks[_next_key] = _called
+
+    def cancel() -> None:
+        with _lock:
+            if _next.get(ident) is callback:
+                _drop_next(ident)
+
+    return cancel
+
+
+def _drop_next(ident: int) -> None:
+    del _next[ident]
+    if not _next and _next_key is not None:
+        module_hooks._global_forward_pre_hooks.pop(_next_key, None)
+
+
+def _called(module: nn.Module, args: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
+    ident = threading.get_ident()
+    with _lock:
+        callback = _next.get(ident)
+        if callback is None:
+            return  # another thread's next call
+        _drop_next(ident)
+    callback(module, args)
 
 
 def untrack() -> None:

@@ -105,6 +105,13 @@
    added to the bench's ``tiny`` model on the CPU (one thread), and a quiet
    step added 0.9 ms to the 13 ms step of its ``medium`` model on an H200,
    a step bound by launching kernels.
+9. A session may open quiet (rule 11 of NOTE [ Session ]) where the last
+   step went quiet and the step opening measures nothing (rule 6: no module
+   timing, no peak due). No step begins then: the model's call says whether
+   the step stays quiet (the same inputs as the last recorded step, in
+   training; :meth:`Profile.stays_quiet`), timed as rule 8 says from there,
+   or the session wakes and the step begins at that call. A session that
+   opened quiet and did not go quiet lets the next open as usual.
 """
 
 from __future__ import annotations
@@ -346,6 +353,7 @@ class Profile:
     _quiet_seen: float | None = None
     _quiet_untimed = 0  # quiet steps not timed since the last timed one (rule 8)
     _idle = False  # the last step ran quiet and recomputed nothing (rule 6)
+    _quiet_last = False  # the last step went quiet: the next may open quiet (rule 9)
     _most_copied = 0  # the most bytes a step of this process moved to host (first_copy)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -355,7 +363,7 @@ class Profile:
         out; the copy finds the modules again by their paths.
         """
         state = dict(self.__dict__)
-        state.update(_step=None, _objects={}, _root=None, _plans={}, _quiet=[])
+        state.update(_step=None, _objects={}, _root=None, _plans={}, _quiet=[], _quiet_last=False)
         return state
 
     # -- a step ---------------------------------------------------------------------
@@ -366,6 +374,7 @@ class Profile:
         The step before, if its backward never came, is dropped.
         """
         self._step = None
+        self._quiet_last = False  # earned again by this step going quiet (went_quiet)
         self._read_quiet(final=False)
         if not torch.is_grad_enabled():
             return None
@@ -382,13 +391,33 @@ class Profile:
         return step
 
     def _measures(self) -> bool:
+        """Whether the step beginning measures (rule 6); it counts down ``_remeasure``."""
+        measure = self._measure_due()
+        self._remeasure = max(self._remeasure - 1, 0)
+        return measure
+
+    def _measure_due(self) -> bool:
         if self.steps < self.measure_steps or not self.modules or self._remeasure:
-            self._remeasure = max(self._remeasure - 1, 0)
             return True
         if self.peak_due:
             return True
         every = self.remeasure_every
         return bool(every) and self.steps % every in (0, 1) and not self._idle
+
+    def may_open_quiet(self) -> bool:
+        """Whether a session opening now may leave its hooks off until the model's call
+        (rule 9): the last step went quiet, and this one measures nothing."""
+        return self._quiet_last and self.root is not None and not self._measure_due()
+
+    def opened_quiet(self) -> None:
+        """A session opened quiet (rule 9): take the times of quiet steps that ended."""
+        self._step = None
+        self._read_quiet(final=False)
+
+    def did_not_stay_quiet(self) -> None:
+        """A session that opened quiet did not go quiet at the model's call (rule 9):
+        the next opens as a session does."""
+        self._quiet_last = False
 
     @property
     def peak_due(self) -> bool:
@@ -488,18 +517,38 @@ class Profile:
         step.inputs = inputs
         return not step.measure and step.training is not False and inputs == self.inputs
 
+    def stays_quiet(self, root: nn.Module, inputs: tuple[Any, ...]) -> bool:
+        """The model was called in a session that opened quiet (rule 9): whether the
+        step may stay quiet, as :meth:`model_called` says of a step that began."""
+        return root.training and inputs == self.inputs
+
     def went_quiet(
-        self, root: nn.Module, recomputed: tuple[str, ...], *, timed: bool = False
+        self,
+        root: nn.Module,
+        recomputed: tuple[str, ...],
+        *,
+        timed: bool = False,
+        opened: tuple[torch.device, Any] | None = None,
     ) -> _QuietStep | None:
         """The session runs this step as plain autograd: time it and nothing else (rule 8).
 
         None where the step is not timed: the profile has the quiet steps it
         needs of this plan, and ``timed`` (the caller waits for its end) is False.
+        ``opened`` is the device and the session's stats of a session that
+        opened quiet (rule 9), where no step began.
         """
         step = self._step
-        if step is None:
+        if step is not None:
+            step.cancel()
+            device, stats, faults = step.device, step.ctx.stats, step.faults
+        elif opened is not None:
+            (device, stats), faults = opened, None
+            # Left by untimed quiet steps: a step that began took them (recomputing).
+            self.take_recompute_seconds(recomputed)
+            take_user_recompute_seconds()
+        else:
             return None
-        step.cancel()
+        self._quiet_last = True
         self.steps += 1
         self._idle = not recomputed  # rule 6: no module timing decides its plan
         history = self.quiet_history
@@ -508,7 +557,9 @@ class Profile:
             self._quiet_untimed += 1
             return None
         self._quiet_untimed = 0
-        quiet = _QuietStep(self, root, step.device, recomputed, step.ctx.stats, step.faults)
+        if faults is None and device.type != "cuda":
+            faults = minor_faults()
+        quiet = _QuietStep(self, root, device, recomputed, stats, faults)
         self._quiet.append(quiet)
         return quiet
 
@@ -574,6 +625,9 @@ class Profile:
         return self._root() if self._root is not None else None
 
     def saw_root(self, module: nn.Module) -> None:
+        if self._root is not None and self._root() is module:
+            return  # named by the step that first saw it (a session that opened quiet has
+            # no module on the stack to name it by)
         self._root = weakref.ref(module)
         self._root_name = _modules.current()
 

@@ -59,6 +59,23 @@ this order:
    autograd checks in-place changes itself. Only where this session's hooks
    are the only ones pushed (no other stash or hook pair around or inside
    it), and never with ``record`` or ``verify``, which need every tensor.
+11. Opening quiet. Once a step went quiet, the next session expects to as
+   well, and opens with nothing pushed and no module followed (``Auto``
+   with a profile, where the profile measures nothing in the step: NOTE
+   [ Profile ] rule 9): a quiet step then costs no hook, no module tracking
+   and no step being measured, only the planning at the model's call. It
+   waits for the next module call on its thread (one global pre-hook, taken
+   out at that call). At the model's call the plan decides, as in rule 10:
+   the step stays quiet, or the session wakes: it pushes its hooks, follows
+   modules from that call on, and the profile's step begins there. It wakes
+   as well at a first module call that is not the model's, when a session
+   opens inside it, and at :func:`pause`, so its hooks go below the inner
+   ones as if pushed at its open. What autograd saves before the first
+   module call is kept as plain autograd keeps it. Where other hooks are
+   pushed inside it at the model's call, it can neither stay quiet nor push
+   its hooks above theirs: it stays as it is for that step, and the next
+   session opens with its hooks, as one does after a session that opened
+   quiet and called no module.
 
 # NOTE [ Recent window ]
 Backward starts with the tensors saved last (the output head, the loss):
@@ -548,6 +565,8 @@ class Session(contextlib.ContextDecorator):
         self._step: Any = None  # the profile's step being measured
         self._planner: Any = None  # the selector's per-step planning (Auto's state)
         self._quiet = False  # this open handed the step to plain autograd (rule 10)
+        self._opened_quiet = False  # this open pushed nothing yet, and may stay so (rule 11)
+        self._cancel_next: Callable[[], None] = _nothing  # stop waiting for a module call
         self._ctx.session = weakref.ref(self)
 
     def __repr__(self) -> str:
@@ -576,8 +595,14 @@ class Session(contextlib.ContextDecorator):
             return self
         self._pushed.append(True)
         self._owner = threading.get_ident()
-        _active().append(self)
+        active = _active()
+        if active and active[0]._opened_quiet:
+            active[0].wake()  # rule 11: its hooks go below this session's
+        quiet = not active and top is None and self._may_open_quiet()
+        active.append(self)
         self._ctx.opened()
+        if quiet:
+            return self._open_quiet()
         _modules.track()
         begin = getattr(self.policy, "begin", None)
         self._planner = begin(self._ctx) if begin is not None else None
@@ -588,6 +613,74 @@ class Session(contextlib.ContextDecorator):
         self._step = self.profile.begin(self._ctx, self.min_bytes) if self.profile else None
         torch._C._autograd._push_saved_tensors_default_hooks(*self._hooks())
         return self
+
+    def _may_open_quiet(self) -> bool:
+        profile = self.profile
+        return (
+            profile is not None
+            and isinstance(self.policy, Auto)
+            and not self.record
+            and not self.verify
+            and torch.is_grad_enabled()
+            and profile.may_open_quiet()
+        )
+
+    def _open_quiet(self) -> Session:
+        """Rule 11: open with nothing pushed, until the model's call says what the step is."""
+        assert self.profile is not None and isinstance(self.policy, Auto)
+        self._quiet = self._opened_quiet = True
+        self.profile.opened_quiet()
+        self._planner = self.policy.begin(self._ctx, quiet=True)
+        self._choose = self._planner.choose
+        self._cancel_next = _modules.next_call(self._next_call)
+        return self
+
+    def _next_call(self, module: Any, args: Any) -> None:
+        """The first module call of a session that opened quiet (rule 11): not the model's
+        (whose own pre-hook decides), so the session pushes its hooks."""
+        if self.profile is None or module is not self.profile.root:
+            self.wake(module, args)
+
+    def wake(self, module: Any = None, args: Any = ()) -> bool:
+        """Rule 11: a session that opened quiet pushes its hooks and follows modules, as one
+        that opened so; ``module``, being called, is followed from its call.
+
+        False where it cannot: it did not open quiet, or it decided already, or
+        others' hooks are pushed inside it (it then stays as it is for this step).
+        """
+        if not self._opened_quiet or not self._innermost_alone():
+            return False
+        self._decided()
+        self._quiet = False
+        _modules.track()
+        woke = getattr(self._planner, "woke", None)
+        if woke is not None:
+            woke()  # its planning hears of the first module called, if not planned yet
+        self._step = self.profile.begin(self._ctx, self.min_bytes) if self.profile else None
+        torch._C._autograd._push_saved_tensors_default_hooks(*self._hooks())
+        if module is not None:
+            _modules.enter(module, args)
+        return True
+
+    def stay_quiet(self) -> bool:
+        """Rule 11: the model was called, and the session that opened quiet stays so for
+        the step; False where it cannot (see :meth:`wake`)."""
+        if not self._opened_quiet or not self._innermost_alone():
+            return False
+        self._decided()
+        with self._stats._lock:
+            self._stats.quiet += 1
+        return True
+
+    def _innermost_alone(self) -> bool:
+        active = _active()
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return top is None and bool(active) and active[-1] is self
+
+    def _decided(self) -> None:
+        self._opened_quiet = False
+        self._cancel_next()
+        self._cancel_next = _nothing
 
     def _hooks(self) -> tuple[Any, Any]:
         """The hook pair to push: in C when nothing needs the Python hooks (NOTE [ Fast path ]).
@@ -653,6 +746,10 @@ class Session(contextlib.ContextDecorator):
             self._step.session_exited()
         if self._planner is not None:
             self._planner.end()
+        if self._opened_quiet:  # rule 11: the model was never called, or could not decide
+            self._decided()
+            if self.profile is not None:
+                self.profile.did_not_stay_quiet()
         if not active:
             _modules.forget_stack()
         if not self._quiet:
@@ -1067,6 +1164,8 @@ def pause() -> Iterator[None]:
     """
     popped: list[tuple[Session, Any]] = []
     active = _active()
+    if active and active[0]._opened_quiet:
+        active[0].wake()  # rule 11 of NOTE [ Session ]: what is paused are its hooks
     for session in reversed(active):
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if top is None or not session._pushed_by(top[0]):
@@ -1080,3 +1179,7 @@ def pause() -> Iterator[None]:
         for session, hooks in reversed(popped):
             torch._C._autograd._push_saved_tensors_default_hooks(*hooks)
             active.append(session)
+
+
+def _nothing() -> None:
+    return None

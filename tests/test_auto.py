@@ -299,6 +299,12 @@ def test_device_memory_on_cuda_counts_what_the_caching_allocator_holds_unused(
     from tensorstash.auto import device_memory
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (6 << 30, 140 << 30))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 120 << 30)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 4 << 30)
+    stats = {
+        "reserved_bytes": {"all": {"current": 120 << 30, "peak": 130 << 30}},
+        "allocated_bytes": {"all": {"current": 4 << 30, "peak": 100 << 30}},
+    }
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: stats)
     assert device_memory(torch.device("cuda", 0)) == (122 << 30, 140 << 30)
+    # Before the allocator is initialised its statistics are empty: nothing cached.
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: {})
+    assert device_memory(torch.device("cuda", 0)) == (6 << 30, 140 << 30)

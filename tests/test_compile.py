@@ -96,3 +96,29 @@ def test_compiled_grads_bitwise(
     weights = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
     assert all(row["tier"] == "kept" for row in rows if tuple(row["shape"]) in weights)
     assert {row["module"] for row in rows} == {"Sequential"}
+
+
+def test_auto_quiet_steps_run_a_compiled_model_without_compiling_it_again() -> None:
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = _model()
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(model, backend=counter)
+    reference = _step(model, fn, None)
+    profile, auto = ts.Profile(), ts.Auto()
+    sessions, frames = [], []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning from torch about our module hooks
+            for _ in range(8):
+                session = ts.stash(auto, profile=profile)
+                grads = _step(model, fn, session)
+                assert all(torch.equal(a, b) for a, b in zip(grads, reference, strict=True))
+                sessions.append(session)
+                frames.append(counter.frame_count)
+    finally:
+        torch._dynamo.reset()
+    # The plan keeps everything: from the fourth step on, quiet, and from the fifth the
+    # sessions open quiet; none of them compiles the model again.
+    assert [s.stats.quiet for s in sessions] == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert frames[3:] == [frames[3]] * 5, frames

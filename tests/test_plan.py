@@ -19,6 +19,7 @@ import pytest
 import torch
 from checks import top_saved_tensors_hooks
 from torch import nn
+from torch.nn.modules import module as module_hooks
 from zoo import Block
 
 import tensorstash as ts
@@ -848,6 +849,133 @@ def test_auto_quiet_step_lets_pause_and_inner_sessions_work() -> None:
     assert session.stats.quiet == 1 and torch.equal(grad, x.sum(0))
     assert inner.stats.to_dict()["tiers"]["host"]["tensors"] >= 1
     assert top_saved_tensors_hooks() is None
+
+
+def _module_hooks() -> int:
+    """How many global module hooks are registered now (tensorstash's or anyone's)."""
+    tables = (module_hooks._global_forward_pre_hooks, module_hooks._global_forward_hooks)
+    return sum(len(table) for table in tables)
+
+
+def test_auto_session_after_a_quiet_step_opens_with_nothing_pushed_bitwise() -> None:
+    plain, stashed = fresh(), fresh()
+    train(plain, 8)
+    profile, auto = ticking(), ts.Auto()
+    at_open: list[tuple[Any, int]] = []
+
+    def chosen(index: int) -> ts.Auto:
+        at_open.append((top_saved_tensors_hooks(), _module_hooks()))  # before the session opens
+        return auto
+
+    inside = _hooks_seen_by(stashed.blocks[0])
+    optimizer = torch.optim.SGD(stashed.parameters(), lr=0.1)
+    sessions, opened = [], []
+    for index in range(8):
+        torch.manual_seed(100 + index)
+        optimizer.zero_grad(set_to_none=True)
+        with ts.stash(chosen(index), profile=profile) as session:
+            opened.append((top_saved_tensors_hooks(), _module_hooks()))
+            loss = stashed(data())
+        loss.backward()
+        optimizer.step()
+        sessions.append(session)
+    assert [s.stats.quiet for s in sessions] == [0, 0, 0, 1, 1, 1, 1, 1]
+    # After the first quiet step a session pushes no hook pair, and follows no module
+    # but the next call: one global pre-hook, gone once the model is called.
+    assert all(hooks is not None for hooks, _ in opened[:4])
+    assert all(hooks is None and count == 1 for hooks, count in opened[4:])
+    assert all(hooks is None for hooks in inside[3:])
+    assert _module_hooks() == 0 and top_saved_tensors_hooks() is None
+    assert all(s.plan is not None and s.plan.quiet for s in sessions[3:])
+    # The quiet steps are timed as before: the last one's time is taken at the next open.
+    assert len(profile.quiet_history) == 4
+    assert_same_weights(plain, stashed)
+
+
+def _same_grads(plain: nn.Module, model: nn.Module) -> None:
+    for (name, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), name
+
+
+def test_auto_session_that_opened_quiet_follows_a_first_call_that_is_not_the_model() -> None:
+    model, profile, auto = fresh(), ticking(), ts.Auto()
+    train(model, 4, auto, profile)
+    plain, x = copy.deepcopy(model), data()
+    torch.manual_seed(7)
+    plain.head(plain.blocks[0](x)).square().mean().backward()
+    inside = _hooks_seen_by(model.blocks[0].fc1)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(7)
+    with ts.stash(auto, profile=profile) as session:
+        loss = model.head(model.blocks[0](x)).square().mean()
+    loss.backward()
+    assert session.stats.quiet == 0 and inside[-1] is not None  # hooked from the block's call
+    assert session.stats.to_dict()["tiers"]["kept"]["tensors"] > 0
+    _same_grads(plain, model)
+    assert _module_hooks() == 0 and top_saved_tensors_hooks() is None
+
+
+def test_auto_session_that_opened_quiet_pushes_its_hooks_below_inner_ones() -> None:
+    model, profile, auto = fresh(), ticking(), ts.Auto()
+    train(model, 4, auto, profile)
+    x = data()
+    for region in ("inner", "pause"):
+        with ts.stash(auto, profile=profile) as session:
+            if region == "inner":
+                with ts.stash("lz4", min_bytes=0) as inner:
+                    extra = (x.clone().requires_grad_() * 2).sigmoid().sum()
+            else:
+                with ts.pause():
+                    grad = torch.func.grad(lambda w: (w * x).sum())(torch.ones(256))
+                extra = torch.zeros(())
+            loss = model(x)  # the session, hooked now, still goes quiet at the model's call
+        (loss + extra).backward()
+        assert session.stats.quiet == 1
+        assert top_saved_tensors_hooks() is None and _module_hooks() == 0
+    assert inner.stats.to_dict()["tiers"]["host"]["tensors"] >= 1
+    assert torch.equal(grad, x.sum(0))
+
+
+def test_auto_session_that_opened_quiet_leaves_other_hooks_alone_and_opens_hooked_next() -> None:
+    model, profile, auto = fresh(), ticking(), ts.Auto()
+    train(model, 4, auto, profile)
+    plain, x = copy.deepcopy(model), data()
+    torch.manual_seed(7)
+    plain(x).backward()
+    model.zero_grad(set_to_none=True)
+    packed: list[int] = []
+    torch.manual_seed(7)
+    # Pushed inside a session that opened quiet: the model's call can neither hand the
+    # step to plain autograd nor push the session's hooks above these.
+    others = torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t)
+    with ts.stash(auto, profile=profile) as session, others:
+        loss = model(x)
+    loss.backward()
+    assert session.stats.quiet == 0 and packed
+    _same_grads(plain, model)
+    with ts.stash(auto, profile=profile) as after:
+        assert top_saved_tensors_hooks() is not None  # this one opened with its hooks
+        loss = model(data())
+    loss.backward()
+    assert after.stats.quiet == 1
+    assert top_saved_tensors_hooks() is None and _module_hooks() == 0
+
+
+def test_auto_session_that_opened_quiet_and_called_no_module_opens_hooked_next() -> None:
+    model, profile, auto = fresh(), ticking(), ts.Auto()
+    train(model, 4, auto, profile)
+    x = data().requires_grad_()
+    with ts.stash(auto, profile=profile) as session:
+        y = (x * 2).sigmoid().sum()  # no module: the session stays as it opened
+    y.backward()
+    assert session.stats.quiet == 0 and _module_hooks() == 0
+    with ts.stash(auto, profile=profile) as after:
+        assert top_saved_tensors_hooks() is not None
+        loss = model(data())
+    loss.backward()
+    assert after.stats.quiet == 1
+    assert top_saved_tensors_hooks() is None and _module_hooks() == 0
 
 
 def test_plan_prices_the_hooks_from_quiet_steps() -> None:
