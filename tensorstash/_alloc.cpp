@@ -9,9 +9,12 @@
 // while the blocks in use hold less than the most they held since the pool was
 // installed, up to that difference: the pool holds at most its high-water mark
 // plus `cap`. Past that the oldest blocks waiting are unmapped, and all of them
-// once the pool is uninstalled; a block freed after that is unmapped at once.
+// once the last lease ends; a block freed after that is unmapped at once.
 // Unmapped pages leave the process.
-// Smaller requests go to the allocator that was installed before.
+// Smaller requests go to the allocator that was installed before, and so does
+// every request between leases: once installed, the pool stays PyTorch's CPU
+// allocator, so that memory taken with raw_allocate and given back later with
+// raw_deallocate reaches the allocator that made it (free_block).
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -71,8 +74,11 @@ class Pool final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
     c10::Allocator* before = before_;
-    if (nbytes < least_ || before == nullptr) {
-      return (before != nullptr ? before : c10::GetDefaultCPUAllocator())->allocate(nbytes);
+    if (before == nullptr) {
+      before = c10::GetDefaultCPUAllocator();
+    }
+    if (nbytes < least_ || !serving_) {
+      return before->allocate(nbytes);
     }
     size_t size = whole_pages(nbytes);
     std::vector<std::pair<void*, size_t>> drop;
@@ -104,20 +110,26 @@ class Pool final : public c10::Allocator {
     default_copy_data(dest, src, count);
   }
 
+  // Serve blocks from now on. The first time, the pool becomes PyTorch's CPU
+  // allocator, and stays it: between leases it hands every request to the one it
+  // replaced (see uninstall).
   bool install(size_t cap, size_t least) {
     std::lock_guard<std::mutex> guard(mutex_);
     cap_ = cap;
     least_ = least;
-    if (before_ == nullptr) {
-      c10::Allocator* current = c10::GetCPUAllocator();
-      if (current == this) {
-        return false;
+    if (c10::GetCPUAllocator() != this) {
+      if (before_ != nullptr) {
+        return false;  // another allocator replaced the pool since: it stays out
       }
+      c10::Allocator* current = c10::GetCPUAllocator();
       c10::SetCPUAllocator(this, /*priority=*/0);  // no-op under a higher one's
       if (c10::GetCPUAllocator() != this) {
         return false;
       }
       before_ = current;
+    }
+    if (!serving_) {
+      serving_ = true;
       high_ = live_;  // the high-water mark counts from here
     }
     return true;
@@ -135,17 +147,17 @@ class Pool final : public c10::Allocator {
     unmap(drop);
   }
 
+  // Serve no more blocks: every request goes to the allocator the pool replaced,
+  // the blocks waiting are unmapped, and those in use will be when freed. The pool
+  // stays PyTorch's CPU allocator: memory taken with raw_allocate (oneDNN's
+  // scratch and workspace memory, which its primitives keep) is given back with
+  // raw_deallocate of whichever allocator is installed then, and only the pool
+  // knows which of those blocks are its own (free_block).
   void uninstall() {
     std::vector<std::pair<void*, size_t>> drop;
     {
       std::lock_guard<std::mutex> guard(mutex_);
-      if (before_ == nullptr) {
-        return;
-      }
-      if (c10::GetCPUAllocator() == this) {
-        c10::SetCPUAllocator(before_, /*priority=*/0);
-      }
-      before_ = nullptr;
+      serving_ = false;
       while (!order_.empty()) {
         evict_oldest(drop);
       }
@@ -167,7 +179,7 @@ class Pool final : public c10::Allocator {
 
   bool installed() {
     std::lock_guard<std::mutex> guard(mutex_);
-    return before_ != nullptr;
+    return serving_;
   }
 
   void after_fork_in_child() { new (&mutex_) std::mutex(); }
@@ -267,24 +279,32 @@ class Pool final : public c10::Allocator {
   }
 
   void release(void* block) {
-    size_t size;
+    c10::DeleterFnPtr foreign = nullptr;
     std::vector<std::pair<void*, size_t>> drop;
     {
       std::lock_guard<std::mutex> guard(mutex_);
       auto found = sizes_.find(block);
       if (found == sizes_.end()) {
-        return;  // cannot happen: every block this pool hands out is in sizes_
-      }
-      size = found->second;
-      live_ -= size;
-      if (before_ != nullptr && size <= allowed()) {
-        while (cached_ + size > allowed()) {
-          evict_oldest(drop);  // the newest block freed waits; the oldest leave
-        }
-        wait(block, size);
+        // Not the pool's: memory the allocator it replaced gave raw_allocate (a
+        // request under the pool's least, or one made before the pool came or
+        // between leases), given back through the pool's raw_deleter.
+        c10::Allocator* before = before_ != nullptr ? before_ : c10::GetDefaultCPUAllocator();
+        foreign = before->raw_deleter();
       } else {
-        leave(block, size, drop);
+        size_t size = found->second;
+        live_ -= size;
+        if (serving_ && size <= allowed()) {
+          while (cached_ + size > allowed()) {
+            evict_oldest(drop);  // the newest block freed waits; the oldest leave
+          }
+          wait(block, size);
+        } else {
+          leave(block, size, drop);
+        }
       }
+    }
+    if (foreign != nullptr && block != nullptr) {
+      foreign(block);
     }
     unmap(drop);
   }
@@ -324,7 +344,8 @@ class Pool final : public c10::Allocator {
   }
 
   std::mutex mutex_;
-  c10::Allocator* before_ = nullptr;  // the allocator installed before; nullptr: not installed
+  c10::Allocator* before_ = nullptr;  // the allocator the pool replaced; nullptr: not yet
+  std::atomic<bool> serving_{false};  // a lease holds the pool: it maps and keeps blocks
   size_t cap_ = 0;
   size_t least_ = 128 * 1024;
   size_t cached_ = 0;  // bytes of the blocks waiting
@@ -386,8 +407,8 @@ PyMethodDef methods[] = {
      "allocator was installed with a higher priority)."},
     {"set_cap", py_set_cap, METH_VARARGS, "set_cap(cap): keep up to `cap` bytes of freed blocks."},
     {"uninstall", py_uninstall, METH_NOARGS,
-     "Give the CPU allocator back and unmap the blocks waiting; blocks in use are "
-     "unmapped when freed."},
+     "Serve no more blocks (the pool stays the CPU allocator, passing requests on) and "
+     "unmap the blocks waiting; blocks in use are unmapped when freed."},
     {"installed", py_installed, METH_NOARGS, "Whether the pool serves CPU allocations."},
     {"counts", py_counts, METH_NOARGS,
      "(hits, grown, misses, unmapped, unmapped_bytes, cached_bytes, live_bytes, mapping_ns)."},

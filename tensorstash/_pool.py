@@ -18,10 +18,10 @@
      ``mremap`` (its pages move, resident; only the rest are faulted in);
    - the blocks waiting hold at most ``cap`` bytes (the session's
      ``trim_every``) or, while the blocks in use hold less than the most
-     they held since the pool was installed, up to that difference: the
+     they held since the pool began to serve, up to that difference: the
      pool's pages never exceed that high-water mark plus ``cap``. Past it
-     the oldest blocks waiting are unmapped, and all of them once the pool
-     is uninstalled; a block freed after that is unmapped at once, so its
+     the oldest blocks waiting are unmapped, and all of them once the last
+     lease ends (rule 4); a block freed after that is unmapped at once, so its
      pages leave the process on the thread that freed it (a disk spill's
      writer, for a written activation).
    A step then holds what it uses plus at most ``cap``, and faults in only the
@@ -62,12 +62,19 @@
    (``PoolCounts.mapping_s``), and its steps took 1.04-1.10x those of the
    same plan with no pool, for 0.58-0.60 of no stash's real peak against
    0.67-0.70.
-4. The pool is installed while any session holds a :class:`Lease` (a disk
+4. The pool serves while any session holds a :class:`Lease` (a disk
    spill's from rule 2's point until its graph is freed, ``Auto``'s over the
-   step its ``Watch`` covers), with the largest cap asked for; the allocator
-   before it comes back when the last lease ends. It serves every thread
-   meanwhile: blocks other threads make are freed through it too, whenever
-   that happens, and it stays loaded for them.
+   step its ``Watch`` covers), with the largest cap asked for. It serves
+   every thread meanwhile: blocks other threads make are freed through it
+   too, whenever that happens, and it stays loaded for them. Installed once,
+   it stays PyTorch's CPU allocator for good, and between leases hands every
+   request to the allocator it replaced: oneDNN (an LSTM on the CPU, among
+   others) takes scratch memory with ``raw_allocate`` and gives it back with
+   ``raw_deallocate`` of whichever allocator is installed then, and only the
+   pool knows which blocks are its own. Swapping allocators back and forth,
+   a lease that ended on another thread (a ``Watch``, at the end of a
+   backward that recomputed an LSTM) while such an op ran handed a pool
+   block to ``free()``, and the process aborted.
 5. It is a C++ extension built against the torch of the build
    (``pip install --no-build-isolation``): where it is missing or fails to
    load (another torch), or ``TENSORSTASH_POOL=0`` is set, sessions trim the
@@ -110,8 +117,8 @@ class PoolCounts(NamedTuple):
             split (rule 1).
         grown: requests served by a freed block waiting, grown to their size.
         misses: requests that mapped a new block.
-        unmapped: blocks unmapped (past the cap, freed after the pool was
-            uninstalled, or waiting when it was).
+        unmapped: blocks unmapped (past the cap, freed after the last lease
+            ended, or waiting when it did).
         unmapped_bytes: their bytes.
         cached_bytes: bytes of freed blocks waiting now.
         live_bytes: bytes of the pool's blocks in use now.

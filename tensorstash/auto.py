@@ -555,7 +555,7 @@ class _AutoState:
         """NOTE [ Quiet steps ] rule 2: hand the step to plain autograd where its plan allows."""
         self._drop_root_hook()
         session = self.session() if self.session is not None else None
-        if session is not None and session._opened_quiet:
+        if session is not None and session.opened_quiet:
             self._called_quiet(session, module, args, kwargs)
             return
         plan, profile = self.plan, self.profile

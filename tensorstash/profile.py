@@ -409,7 +409,7 @@ class Profile:
         (rule 9): the last step went quiet, and this one measures nothing."""
         return self._quiet_last and self.root is not None and not self._measure_due()
 
-    def opened_quiet(self) -> None:
+    def began_quiet(self) -> None:
         """A session opened quiet (rule 9): take the times of quiet steps that ended."""
         self._step = None
         self._read_quiet(final=False)

@@ -614,6 +614,11 @@ class Session(contextlib.ContextDecorator):
         torch._C._autograd._push_saved_tensors_default_hooks(*self._hooks())
         return self
 
+    @property
+    def opened_quiet(self) -> bool:
+        """Whether this open pushed nothing yet and waits for the model's call (rule 11)."""
+        return self._opened_quiet
+
     def _may_open_quiet(self) -> bool:
         profile = self.profile
         return (
@@ -629,7 +634,7 @@ class Session(contextlib.ContextDecorator):
         """Rule 11: open with nothing pushed, until the model's call says what the step is."""
         assert self.profile is not None and isinstance(self.policy, Auto)
         self._quiet = self._opened_quiet = True
-        self.profile.opened_quiet()
+        self.profile.began_quiet()
         self._planner = self.policy.begin(self._ctx, quiet=True)
         self._choose = self._planner.choose
         self._cancel_next = _modules.next_call(self._next_call)

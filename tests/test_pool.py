@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -265,3 +267,53 @@ def test_pool_blocks_split_and_grown_on_many_threads_keep_their_values() -> None
     assert errors == []
     assert after.hits > before.hits and after.grown > before.grown  # split and grown both ran
     assert after.live_bytes == before.live_bytes and after.cached_bytes == 0
+
+
+_RAW_RACE = """
+import threading, time
+import torch
+from torch import nn
+from tensorstash import _pool
+torch.set_num_threads(1)
+torch.manual_seed(0)
+lstm = nn.LSTM(32, 64, num_layers=2, batch_first=True)
+x = torch.randn(8, 40, 32)
+stop = False
+def run():
+    with torch.no_grad():
+        while not stop:
+            lstm(x)
+thread = threading.Thread(target=run)
+thread.start()
+deadline = time.monotonic() + 1.5
+while time.monotonic() < deadline:
+    lease = _pool.lease(1 << 20)
+    time.sleep(0.0005)
+    lease.close()
+    time.sleep(0.0005)
+stop = True
+thread.join()
+print("ok")
+"""
+
+
+def test_memory_taken_raw_under_one_allocator_goes_back_to_it_whenever_freed() -> None:
+    # oneDNN (an LSTM on the CPU) takes its scratch memory with raw_allocate and gives it
+    # back with raw_deallocate of whichever allocator is PyTorch's then. A lease that ends
+    # on another thread (Auto's Watch does, at the end of a backward that recomputes an
+    # LSTM) while such an op runs handed a pool block to free(): the process aborted.
+    done = subprocess.run(
+        [sys.executable, "-c", _RAW_RACE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_pool_stays_the_cpu_allocator_between_leases_and_serves_no_block_there() -> None:
+    lease = _pool.lease(4 * MiB)
+    assert lease is not None
+    lease.close()
+    before = counts()
+    block = torch.empty(MiB // 4)  # between leases: the allocator it replaced serves it
+    assert not _pool.installed() and counts().misses == before.misses
+    del block
+    assert counts().unmapped == before.unmapped

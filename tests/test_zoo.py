@@ -6,7 +6,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from checks import PolicySpec, assert_grads_equal, assert_went_to, leak_check, run_case
+import torch
+from checks import (
+    PolicySpec,
+    assert_grads_equal,
+    assert_went_to,
+    grads_of,
+    leak_check,
+    run_case,
+)
 from zoo import ZOO
 
 import tensorstash as ts
@@ -36,3 +44,55 @@ def test_zoo_step_releases_everything(name: str, policy: Any, spill_dirs: list[P
     session = ts.stash(policy, min_bytes=0)
     run_case(ZOO[name](), session)
     leak_check(session, directories=spill_dirs)
+
+
+class _Ticks:
+    """A profile clock that moves a microsecond per read: recomputing looks cheap, so
+    plans at half the activation bytes recompute modules wherever they can."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+
+def _train(case: Any, budgets: list[Any] | None, profile: ts.Profile | None) -> list[Any]:
+    """SGD steps of a zoo case, each step's gradients; with ``Auto`` at ``budgets[step]``."""
+    optimizer = torch.optim.SGD(case.model.parameters(), lr=1e-3)
+    grads, sessions = [], []
+    for step in range(STEPS):
+        session = None
+        if budgets is not None:
+            session = ts.stash(ts.Auto(device_budget=budgets[step]), profile=profile, min_bytes=0)
+            sessions.append(session)
+        grads.append(grads_of(case.model, case.inputs, case.loss, session, seed=100 + step))
+        optimizer.step()
+    return [grads, sessions]
+
+
+STEPS = 9
+
+
+@pytest.mark.filterwarnings("ignore:tensorstash.Auto. device_budget .* cannot be held")
+@pytest.mark.parametrize("name", MODELS)
+def test_zoo_auto_plan_trains_bitwise_while_the_plan_changes(name: str) -> None:
+    expected, _ = _train(ZOO[name](), None, None)
+    case = ZOO[name]()
+    with ts.stash(ts.Keep(), min_bytes=0) as probe:
+        case.step()
+    half = max(probe.stats.to_dict()["tiers"]["kept"]["peak_bytes"] // 2, 1)
+    # Learning at half the activation bytes, planned there, then at the default budget:
+    # plans that recompute or move sites, then one that keeps everything (quiet steps,
+    # and sessions that open quiet), on every model.
+    budgets: list[Any] = [half] * 5 + [None] * 4
+    actual, sessions = _train(case, budgets, ts.Profile(clock=_Ticks()))
+    for step, (want, got) in enumerate(zip(expected, actual, strict=True)):
+        try:
+            assert_grads_equal(want, got)
+        except AssertionError as error:
+            raise AssertionError(f"step {step}: {error}") from None
+    assert [s.stats.quiet for s in sessions[-3:]] == [1, 1, 1]
+    planned = [s.plan for s in sessions[3:5]]
+    assert all(p is not None and (p.recompute or p.tiers) for p in planned), planned
