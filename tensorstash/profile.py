@@ -374,10 +374,10 @@ class Profile:
         The step before, if its backward never came, is dropped.
         """
         self._step = None
-        self._quiet_last = False  # earned again by this step going quiet (went_quiet)
         self._read_quiet(final=False)
         if not torch.is_grad_enabled():
-            return None
+            return None  # evaluation: the next training step may still open quiet (rule 9)
+        self._quiet_last = False  # earned again by this step going quiet (went_quiet)
         self._seen.clear()
         self.current = {}
         measure = self._measures()

@@ -978,6 +978,18 @@ def test_auto_session_that_opened_quiet_and_called_no_module_opens_hooked_next()
     assert top_saved_tensors_hooks() is None and _module_hooks() == 0
 
 
+def test_auto_evaluation_under_no_grad_leaves_the_next_session_opening_quiet() -> None:
+    model, profile, auto = fresh(), ticking(), ts.Auto()
+    train(model, 4, auto, profile)
+    with torch.no_grad(), ts.stash(auto, profile=profile):
+        model(data())
+    with ts.stash(auto, profile=profile) as session:
+        assert top_saved_tensors_hooks() is None and _module_hooks() == 1  # opened quiet
+        loss = model(data())
+    loss.backward()
+    assert session.stats.quiet == 1 and _module_hooks() == 0
+
+
 def test_plan_prices_the_hooks_from_quiet_steps() -> None:
     profile = two_blocks()
     profile.quiet_history.append(StepRecord(0.3, 0.6, 0, None))  # 0.9 s without hooks
