@@ -937,6 +937,17 @@ def test_auto_session_that_opened_quiet_pushes_its_hooks_below_inner_ones() -> N
     assert torch.equal(grad, x.sum(0))
 
 
+def _assert_next_session_opens_hooked_and_goes_quiet(
+    model: nn.Module, profile: ts.Profile, auto: ts.Auto
+) -> None:
+    with ts.stash(auto, profile=profile) as after:
+        assert top_saved_tensors_hooks() is not None  # it opened with its hooks
+        loss = model(data())
+    loss.backward()
+    assert after.stats.quiet == 1
+    assert top_saved_tensors_hooks() is None and _module_hooks() == 0
+
+
 def test_auto_session_that_opened_quiet_leaves_other_hooks_alone_and_opens_hooked_next() -> None:
     model, profile, auto = fresh(), ticking(), ts.Auto()
     train(model, 4, auto, profile)
@@ -954,12 +965,7 @@ def test_auto_session_that_opened_quiet_leaves_other_hooks_alone_and_opens_hooke
     loss.backward()
     assert session.stats.quiet == 0 and packed
     _same_grads(plain, model)
-    with ts.stash(auto, profile=profile) as after:
-        assert top_saved_tensors_hooks() is not None  # this one opened with its hooks
-        loss = model(data())
-    loss.backward()
-    assert after.stats.quiet == 1
-    assert top_saved_tensors_hooks() is None and _module_hooks() == 0
+    _assert_next_session_opens_hooked_and_goes_quiet(model, profile, auto)
 
 
 def test_auto_session_that_opened_quiet_and_called_no_module_opens_hooked_next() -> None:
@@ -970,12 +976,7 @@ def test_auto_session_that_opened_quiet_and_called_no_module_opens_hooked_next()
         y = (x * 2).sigmoid().sum()  # no module: the session stays as it opened
     y.backward()
     assert session.stats.quiet == 0 and _module_hooks() == 0
-    with ts.stash(auto, profile=profile) as after:
-        assert top_saved_tensors_hooks() is not None
-        loss = model(data())
-    loss.backward()
-    assert after.stats.quiet == 1
-    assert top_saved_tensors_hooks() is None and _module_hooks() == 0
+    _assert_next_session_opens_hooked_and_goes_quiet(model, profile, auto)
 
 
 def test_auto_evaluation_under_no_grad_leaves_the_next_session_opening_quiet() -> None:
