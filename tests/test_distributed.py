@@ -23,6 +23,7 @@ import torch.distributed as dist
 import zoo
 from checks import (
     GradMap,
+    Ticks,
     assert_grads_equal,
     files_under,
     leak_check,
@@ -54,18 +55,6 @@ QUIET_STEPS = 6
 so that from the fourth step the plan keeps everything and steps run quiet (and
 sessions open quiet: rule 11 of NOTE [ Session ]); plain autograd runs as many."""
 WHERE = {"lz4": "host", "disk": "disk", "auto": "disk", "auto-plan": "kept", "select": "disk"}
-
-
-class Ticks:
-    """A profile clock that moves a microsecond per read: recomputing looks cheap, so
-    the plan recomputes whatever the ranks' timings."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1e-6
-        return self.now
 
 
 # -- the job each rank runs -----------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from checks import top_saved_tensors_hooks
+from checks import Ticks, top_saved_tensors_hooks
 from torch import nn
 from torch.nn.modules import module as module_hooks
 from zoo import Block
@@ -287,21 +287,6 @@ class Net(nn.Module):
         for block in self.blocks:
             x = block(x)
         return torch.nn.functional.cross_entropy(self.head(x), torch.arange(x.shape[0]) % 16)
-
-
-class Ticks:
-    """A clock that moves a microsecond each time it is read.
-
-    Module times then count the reads in a module, so recomputing a module
-    looks far cheaper than moving its bytes, whatever the machine's load.
-    """
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1e-6
-        return self.now
 
 
 def ticking() -> ts.Profile:

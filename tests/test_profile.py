@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from checks import Ticks
 from torch import nn
 from zoo import Block
 
@@ -365,17 +366,6 @@ def test_profile_state_dict_round_trips_and_plans_alike() -> None:
     assert before is not None and after is not None
     assert after.recompute == before.recompute and after.tiers == before.tiers
     assert after.predicted_step_s == pytest.approx(before.predicted_step_s)
-
-
-class Ticks:
-    """A clock that moves a microsecond each time it is read."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1e-6
-        return self.now
 
 
 def test_profile_times_quiet_steps_from_the_call_to_the_end_of_backward() -> None:

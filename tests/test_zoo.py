@@ -9,6 +9,7 @@ import pytest
 import torch
 from checks import (
     PolicySpec,
+    Ticks,
     assert_grads_equal,
     assert_went_to,
     grads_of,
@@ -46,19 +47,12 @@ def test_zoo_step_releases_everything(name: str, policy: Any, spill_dirs: list[P
     leak_check(session, directories=spill_dirs)
 
 
-class _Ticks:
-    """A profile clock that moves a microsecond per read: recomputing looks cheap, so
-    plans at half the activation bytes recompute modules wherever they can."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1e-6
-        return self.now
+STEPS = 9
 
 
-def _train(case: Any, budgets: list[Any] | None, profile: ts.Profile | None) -> list[Any]:
+def _train(
+    case: Any, budgets: list[Any] | None, profile: ts.Profile | None
+) -> tuple[list[Any], list[ts.Session]]:
     """SGD steps of a zoo case, each step's gradients; with ``Auto`` at ``budgets[step]``."""
     optimizer = torch.optim.SGD(case.model.parameters(), lr=1e-3)
     grads, sessions = [], []
@@ -69,10 +63,7 @@ def _train(case: Any, budgets: list[Any] | None, profile: ts.Profile | None) -> 
             sessions.append(session)
         grads.append(grads_of(case.model, case.inputs, case.loss, session, seed=100 + step))
         optimizer.step()
-    return [grads, sessions]
-
-
-STEPS = 9
+    return grads, sessions
 
 
 @pytest.mark.filterwarnings("ignore:tensorstash.Auto. device_budget .* cannot be held")
@@ -87,7 +78,7 @@ def test_zoo_auto_plan_trains_bitwise_while_the_plan_changes(name: str) -> None:
     # plans that recompute or move sites, then one that keeps everything (quiet steps,
     # and sessions that open quiet), on every model.
     budgets: list[Any] = [half] * 5 + [None] * 4
-    actual, sessions = _train(case, budgets, ts.Profile(clock=_Ticks()))
+    actual, sessions = _train(case, budgets, ts.Profile(clock=Ticks()))
     for step, (want, got) in enumerate(zip(expected, actual, strict=True)):
         try:
             assert_grads_equal(want, got)
