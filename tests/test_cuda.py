@@ -156,6 +156,34 @@ def test_cuda_auto_predicts_the_real_peak_of_a_plan_that_copies_to_the_host() ->
     assert abs(plan.predicted_peak_bytes / peak - 1) <= 0.15, (plan.predicted_peak_bytes, peak)
 
 
+def test_cuda_auto_holds_its_budget_with_the_copies_still_running() -> None:
+    # A device tensor copied to the host stays on the device until its copy ends: with
+    # CpuOffload's fixed 1 GiB of copies in flight, a plan that kept its budget's worth
+    # held up to 1 GiB more when forward ended.
+    torch.manual_seed(0)
+    model = Wide(depth=16).cuda()
+    x = torch.randn(8192, 1024, device="cuda")
+    largest = x.numel() * x.element_size()
+    peak_of_step(model, x)
+    with ts.stash(ts.Keep()) as probe:
+        loss = model(x).square().mean()
+    loss.backward()
+    budget = probe.stats.to_dict()["tiers"]["kept"]["peak_bytes"] // 4
+    profile, auto = ts.Profile(), ts.Auto(device_budget=budget, recompute=False)
+    for _ in range(6):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        with ts.stash(auto, profile=profile) as session:
+            loss = model(x).square().mean()
+            held = torch.cuda.memory_allocated() - start  # no synchronize: copies may run
+            loss.backward()
+        torch.cuda.synchronize()
+    plan = session.plan
+    assert plan is not None and "host" in plan.tiers.values() and plan.fits, plan
+    assert held <= budget + 2 * largest, (held, budget)
+
+
 def test_cuda_verify_catches_a_corrupted_host_copy() -> None:
     from tensorstash.cpu import OnHost
 
