@@ -201,6 +201,20 @@ def test_plan_copies_the_earliest_sites_to_host_free_on_cuda() -> None:
     assert plan.fits
 
 
+def test_plan_on_cuda_leaves_the_copies_still_running_room_in_the_budget() -> None:
+    # A copied tensor stays on the device until its copy ends, and Auto lets the copies
+    # hold only the budget less what the plan keeps: a plan that kept its whole budget
+    # left them none, and each save waited for the copy before it.
+    link = Rates(link=1e12)
+    plan = make_plan(two_blocks(), 12 * MiB, device="cuda", rates=link, recompute=False)
+    assert plan is not None and plan.fits and set(plan.tiers.values()) == {"host"}
+    assert plan.held_bytes <= 9 * MiB  # a quarter of the budget left to the copies
+    assert len(plan.tiers) == 2  # one 4 MiB site would bring 16 MiB under 12
+    # On the CPU nothing is copied to a host: the plan holds up to its budget.
+    plan = make_plan(two_blocks(), 12 * MiB, recompute=False, rates=Rates(ratio=1.0))
+    assert plan is not None and len(plan.tiers) == 1 and plan.held_bytes == 12 * MiB
+
+
 def test_plan_names_the_least_budget_it_can_reach() -> None:
     plan = make_plan(two_blocks(), MiB // 2, recompute=True, rates=Rates(ratio=1.0))
     assert plan is not None and not plan.fits
