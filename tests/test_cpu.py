@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tensorstash as ts
-from tensorstash.cpu import Inflight, OnHost, PinnedPool
+from tensorstash.cpu import CpuOffload, Inflight, OnHost, PinnedPool
 
 
 class FakeEvent:
@@ -95,6 +95,15 @@ def test_inflight_drops_the_sources_of_finished_copies_only() -> None:
     assert first.source is None and second.source is not None
     assert inflight.nbytes == 1000
     assert not second.copied.waited
+
+
+def test_a_packed_value_that_still_holds_its_source_comes_back_as_it() -> None:
+    # Rule 5 of NOTE [ Streams ]: no copy back (this test has no CUDA: a copy back
+    # would fail), the consumer waits for the producer's event.
+    source, produced = torch.arange(8, dtype=torch.uint8), FakeEvent(done=False)
+    packed = OnHost("host", 8, 8, source=source, produced=produced, copied=FakeEvent(False))
+    device_bytes, event = CpuOffload()._bring_back(packed, None)  # type: ignore[arg-type]
+    assert device_bytes is source and event is produced
 
 
 def test_inflight_waits_for_the_oldest_copies_beyond_its_bound() -> None:

@@ -184,6 +184,26 @@ def test_cuda_auto_holds_its_budget_with_the_copies_still_running() -> None:
     assert held <= budget + 2 * largest, (held, budget)
 
 
+def test_cuda_a_tensor_whose_copy_still_runs_comes_back_as_itself() -> None:
+    # Backward begins at once, while exp's 256 MiB output is still being copied out:
+    # it comes back as that tensor, not as a second one copied back beside it.
+    x = torch.randn(8192, 8192, device="cuda", requires_grad=True)
+    size = x.numel() * x.element_size()
+    x.exp().sum().backward()
+    expected = x.grad.clone()
+    x.grad = None
+    torch.cuda.synchronize()
+    with ts.stash(ts.CpuOffload(), min_bytes=0) as session:
+        y = x.exp()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y.sum().backward()
+    torch.cuda.synchronize()
+    assert tier_counts(session)["host"] == 1
+    assert torch.equal(x.grad, expected)
+    assert torch.cuda.max_memory_allocated() - start <= size * 1.25  # x.grad alone
+
+
 def test_cuda_verify_catches_a_corrupted_host_copy() -> None:
     from tensorstash.cpu import OnHost
 
