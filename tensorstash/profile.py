@@ -133,6 +133,8 @@ from tensorstash import _modules, _pool
 from tensorstash._memory import CudaPeak, PeakRss, faulted_since, meter, minor_faults
 from tensorstash._trim import release_free_heap
 from tensorstash.recompute import (
+    drop_recompute_seconds,
+    drop_user_recompute_seconds,
     in_plan_region,
     is_checkpointed,
     take_recompute_seconds,
@@ -385,7 +387,7 @@ class Profile:
         # The first of a run, or the step that takes a new plan's peak (rule 6).
         cold = measure and (not self._measured_last or self.peak_due)
         self._measured_last = measure
-        take_user_recompute_seconds()  # left by backwards that were not this profile's
+        drop_user_recompute_seconds()  # left by backwards that were not this profile's
         step = _Step(self, ctx, min_bytes, measure=measure, cold=cold)
         self._step = step
         return step
@@ -544,8 +546,8 @@ class Profile:
         elif opened is not None:
             (device, stats), faults = opened, None
             # Left by untimed quiet steps: a step that began took them (recomputing).
-            self.take_recompute_seconds(recomputed)
-            take_user_recompute_seconds()
+            self.drop_recompute_seconds(recomputed)
+            drop_user_recompute_seconds()
         else:
             return None
         self._quiet_last = True
@@ -597,6 +599,10 @@ class Profile:
         """What backward spent recomputing the modules at ``paths`` since last asked
         (NOTE [ Recompute ] rule 7), or None where none was timed."""
         return take_recompute_seconds(m for m in map(self.module, paths) if m is not None)
+
+    def drop_recompute_seconds(self, paths: tuple[str, ...]) -> None:
+        """Forget, unread, what backward spent recomputing the modules at ``paths``."""
+        drop_recompute_seconds(m for m in map(self.module, paths) if m is not None)
 
     def module(self, path: str) -> nn.Module | None:
         """The module object at ``path``, as last seen, or found in the root by its path."""
@@ -748,7 +754,7 @@ class Profile:
         if step is not None:
             step.recomputed = paths
             # Seconds left from a step whose backward never ended are not this step's.
-            self.take_recompute_seconds(paths)
+            self.drop_recompute_seconds(paths)
             if step.measure and self._needs_peak((paths, moves)):  # as _plan_of names it
                 step.take_peak()
 

@@ -29,10 +29,17 @@
    reused, so a compiled model sees the same ``forward`` every step and is not
    recompiled. It checkpoints only in training with grad enabled: evaluation
    and ``no_grad`` forwards run the module as it is.
-7. What a plan's recompute costs is timed where it happens, on the CPU: each
-   run of the region while backward runs adds its seconds to the module's
-   count, which the profile takes at the end of the step
-   (:func:`take_recompute_seconds`). A module's forward time is a poor
+7. What a plan's recompute costs is timed where it happens: each run of the
+   region while backward runs adds its seconds to the module's count, which
+   the profile takes at the end of the step (:func:`take_recompute_seconds`;
+   counts left from a step it does not time are dropped, unread:
+   :func:`drop_recompute_seconds`). On the CPU the profile's clock times it;
+   on CUDA a pair of events on the current stream around it, read once the
+   step's own events completed, so a step waits for nothing it would not
+   (on the bench's ``medium``, an H200 step bound by launching kernels,
+   recomputing every block added about 22 ms to a 23 ms step while their
+   forward times, measured with the profile's timing of every module, summed
+   to 53 ms; untimed, the plan took a negative base). A module's forward time is a poor
    guess: forward allocates what backward's recompute lays over pages forward
    freed (HF GPT-2 blocks on a trimmed heap: forward 24 ms, recompute 11 ms),
    and a measured forward carries the profile's timing of every module in it
@@ -66,7 +73,8 @@ _plan_wrappers: weakref.WeakKeyDictionary[nn.Module, Callable[..., Any]] = (
     weakref.WeakKeyDictionary()
 )
 _plan_saved: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
-_recompute_s: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
+_recompute_s: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+"""Per module, each recompute's seconds (CPU) or its pair of CUDA events (rule 7)."""
 _clocks: weakref.WeakKeyDictionary[nn.Module, Callable[[], float]] = weakref.WeakKeyDictionary()
 _NOTHING = object()
 
@@ -97,19 +105,50 @@ def _module_checkpointed(module: nn.Module, forward: Callable[..., Any]) -> Call
 
 
 def _timed(module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
-    """``forward``, each run while backward recomputes it timed, on the CPU (rule 7)."""
+    """``forward``, each run while backward recomputes it timed (rule 7)."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        if torch._C._current_graph_task_id() == -1 or _on_cuda(args):
+        if torch._C._current_graph_task_id() == -1:
             return forward(*args, **kwargs)
+        device = _cuda_device(args, kwargs)
+        if device is not None:
+            begun = _event(device)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                _recompute_s.setdefault(module, []).append((begun, _event(device)))
         clock = _clocks.get(module, time.perf_counter)
         start = clock()
         try:
             return forward(*args, **kwargs)
         finally:
-            _recompute_s[module] = _recompute_s.get(module, 0.0) + clock() - start
+            _recompute_s.setdefault(module, []).append(clock() - start)
 
     return run
+
+
+def _cuda_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | None:
+    """The device of the first CUDA tensor among the arguments, or None."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            return value.device
+    return None
+
+
+def _event(device: torch.device) -> Any:
+    """A timing event recorded now on ``device``'s current stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _seconds(reading: Any) -> float:
+    """A recompute's seconds: as the clock took them, or between its two events."""
+    if isinstance(reading, float):
+        return reading
+    begun, ended = reading
+    ended.synchronize()  # done already where the step's own events are (rule 7)
+    return float(begun.elapsed_time(ended)) / 1000.0
 
 
 def use_clock(module: nn.Module, clock: Callable[[], float]) -> None:
@@ -282,25 +321,37 @@ def _plan_wrapper(module: nn.Module) -> Callable[..., Any]:
     return run
 
 
-def _on_cuda(args: tuple[Any, ...]) -> bool:
-    return any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
-
-
 def take_recompute_seconds(modules: Iterable[nn.Module]) -> float | None:
     """Seconds backward spent recomputing ``modules`` since the last call (rule 7).
 
-    None when none of them was timed (not recomputed yet, or on a CUDA device).
+    None when none of them was timed (not recomputed yet).
     """
     found = [_recompute_s.pop(module) for module in modules if module in _recompute_s]
-    return sum(found) if found else None
+    return sum(_seconds(reading) for readings in found for reading in readings) if found else None
+
+
+def drop_recompute_seconds(modules: Iterable[nn.Module]) -> None:
+    """Forget what backward spent recomputing ``modules``, unread (rule 7)."""
+    for module in modules:
+        _recompute_s.pop(module, None)
+
+
+def _user_recomputed() -> list[nn.Module]:
+    return [m for m in list(_recompute_s) if _WRAPPED in vars(m)]
 
 
 def take_user_recompute_seconds() -> float | None:
     """Seconds backward spent recomputing the modules :func:`recompute` wraps since the
     last call (rule 7), or None where none was timed."""
-    if not _recompute_s:  # asked at every step's start
+    if not _recompute_s:
         return None
-    return take_recompute_seconds([m for m in list(_recompute_s) if _WRAPPED in vars(m)])
+    return take_recompute_seconds(_user_recomputed())
+
+
+def drop_user_recompute_seconds() -> None:
+    """Forget, unread, what backward spent recomputing the modules :func:`recompute` wraps."""
+    if _recompute_s:  # asked at every step's start
+        drop_recompute_seconds(_user_recomputed())
 
 
 def wrap_for_plan(module: nn.Module, clock: Callable[[], float] = time.perf_counter) -> bool:

@@ -204,6 +204,23 @@ def test_cuda_a_tensor_whose_copy_still_runs_comes_back_as_itself() -> None:
     assert torch.cuda.max_memory_allocated() - start <= size * 1.25  # x.grad alone
 
 
+def test_cuda_auto_times_what_backward_spends_recomputing_the_plan() -> None:
+    # NOTE [ Recompute ] rule 7: on CUDA too, with events around each recompute.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *(nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)) for _ in range(4))
+    ).cuda()
+    x = torch.randn(4096, 1024, device="cuda")
+    peak_of_step(model, x)
+    profile, auto = ts.Profile(), ts.Auto(always_recompute=["1", "2"])
+    for _ in range(5):
+        peak_of_step(model, x, ts.stash(auto, profile=profile))
+    steps = [s for s in (*profile.history, *profile.quiet_history) if s.recomputed]
+    assert steps, list(profile.history)
+    for step in steps:
+        assert step.recompute_s is not None and 0 < step.recompute_s < step.backward_s, step
+
+
 def test_cuda_verify_catches_a_corrupted_host_copy() -> None:
     from tensorstash.cpu import OnHost
 

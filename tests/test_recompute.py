@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
@@ -210,3 +212,47 @@ def test_recompute_rejects_what_is_not_callable() -> None:
 def test_recompute_modules_names_missing_submodules() -> None:
     with pytest.raises(ValueError, match="not submodules"):
         ts.recompute_modules(fresh(), ["blocks.9"])
+
+
+class FakeEvent:
+    """A CUDA timing event stand-in: recorded at a tick, elapsed in milliseconds."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.synchronized = False
+
+    def synchronize(self) -> None:
+        self.synchronized = True
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return (end.at - self.at) * 1000.0
+
+
+def test_recompute_on_cuda_is_timed_by_events_read_only_when_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # NOTE [ Recompute ] rule 7: untimed on CUDA, a launch-bound step's recompute was
+    # priced at forward times the profile's own timing had inflated.
+    module = importlib.import_module("tensorstash.recompute")  # ts.recompute is the function
+    ticks, events = iter(range(0, 100, 2)), []
+
+    def event(device: torch.device) -> FakeEvent:
+        events.append(FakeEvent(next(ticks)))
+        return events[-1]
+
+    module.drop_user_recompute_seconds()  # left by the tests before
+    monkeypatch.setattr(module, "_cuda_device", lambda args, kwargs: torch.device("cuda"))
+    monkeypatch.setattr(module, "_event", event)
+    block = ts.recompute(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+    x = torch.randn(4, 8, requires_grad=True)
+    try:
+        block(x).sum().backward()  # the forward is not timed; backward's recompute is
+        assert len(events) == 2 and not any(e.synchronized for e in events)
+        assert module.take_user_recompute_seconds() == pytest.approx(2.0)
+        assert events[1].synchronized
+        block(x).sum().backward()
+        module.drop_user_recompute_seconds()  # a step that does not time it reads nothing
+        assert len(events) == 4 and not events[3].synchronized
+        assert module.take_user_recompute_seconds() is None
+    finally:
+        ts.unrecompute(block)
