@@ -360,6 +360,11 @@ def make_plan(
     speeds = rates or Rates()
     solve = functools.partial(_solve, profile, step, budget, device, speeds, recompute, never)
     plan = solve(always, moves=True, trims=trims)
+    if device == "cuda" and "host" in plan.tiers.values():  # rule 10: room for the copies
+        room = min(COPY_ROOM_MAX, int(budget * COPY_ROOM_SHARE))
+        roomy = solve(always, moves=True, trims=trims, room=room)
+        if roomy.held_bytes <= budget - room:
+            plan = roomy
     if plan.tiers and recompute:  # rule 7: without the hooks, recomputing may cost less
         alone = solve(always, moves=False, trims=trims)
         steps = profile.calibration_steps()
@@ -395,33 +400,10 @@ def _solve(
     *,
     moves: bool,
     trims: bool | Literal["auto"],
-) -> Plan:
-    """One greedy plan (rule 3) from the medians ``step``; ``moves``: may sites leave the
-    device. On CUDA a plan that copies to the host leaves its copies room (rule 10)."""
-    plan = _greedy(profile, step, budget, device, rates, recompute, never, always, moves, trims)
-    if device != "cuda" or "host" not in plan.tiers.values():
-        return plan
-    room = min(COPY_ROOM_MAX, int(budget * COPY_ROOM_SHARE))
-    roomy = _greedy(
-        profile, step, budget, device, rates, recompute, never, always, moves, trims, room
-    )
-    return roomy if roomy.held_bytes <= budget - room else plan
-
-
-def _greedy(
-    profile: Profile,
-    step: StepRecord,
-    budget: int,
-    device: str,
-    rates: Rates,
-    recompute: bool,
-    never: Excluded,
-    always: Iterable[str],
-    moves: bool,
-    trims: bool | Literal["auto"],
     room: int = 0,
 ) -> Plan:
-    """The greedy of rule 3, holding at most ``budget - room`` bytes."""
+    """One greedy plan (rule 3) from the medians ``step``, holding at most ``budget - room``
+    bytes (rule 10); ``moves``: may sites leave the device."""
     solver = _Solver(profile, budget, device, rates, trims)
     solver.target = budget - room
     solver.calibrate()
