@@ -73,10 +73,44 @@ _plan_wrappers: weakref.WeakKeyDictionary[nn.Module, Callable[..., Any]] = (
     weakref.WeakKeyDictionary()
 )
 _plan_saved: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
-_recompute_s: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
-"""Per module, each recompute's seconds (CPU) or its pair of CUDA events (rule 7)."""
+_recompute_s: weakref.WeakKeyDictionary[nn.Module, _Readings] = weakref.WeakKeyDictionary()
 _clocks: weakref.WeakKeyDictionary[nn.Module, Callable[[], float]] = weakref.WeakKeyDictionary()
 _NOTHING = object()
+
+
+class _Readings:
+    """What backward spent recomputing one module since last taken (rule 7): seconds,
+    and the CUDA event pairs not yet read. A pair whose end completed is read when the
+    next is added, so a module recomputed by steps no profile times holds a pair or two,
+    not one per step."""
+
+    __slots__ = ("pending", "seconds")
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.pending: list[tuple[Any, Any]] = []
+
+    def add_events(self, begun: Any, ended: Any) -> None:
+        still = []
+        for pair in self.pending:
+            if pair[1].query():
+                self.seconds += _elapsed(*pair)
+            else:
+                still.append(pair)
+        self.pending = [*still, (begun, ended)]
+
+    def total(self) -> float:
+        """The seconds, once every pair's end completed (done already where the step's own
+        events are)."""
+        for begun, ended in self.pending:
+            ended.synchronize()
+            self.seconds += _elapsed(begun, ended)
+        self.pending = []
+        return self.seconds
+
+
+def _elapsed(begun: Any, ended: Any) -> float:
+    return float(begun.elapsed_time(ended)) / 1000.0
 
 
 def _checkpointed(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -116,13 +150,13 @@ def _timed(module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]
             try:
                 return forward(*args, **kwargs)
             finally:
-                _recompute_s.setdefault(module, []).append((begun, _event(device)))
+                _readings(module).add_events(begun, _event(device))
         clock = _clocks.get(module, time.perf_counter)
         start = clock()
         try:
             return forward(*args, **kwargs)
         finally:
-            _recompute_s.setdefault(module, []).append(clock() - start)
+            _readings(module).seconds += clock() - start
 
     return run
 
@@ -142,13 +176,11 @@ def _event(device: torch.device) -> Any:
     return event
 
 
-def _seconds(reading: Any) -> float:
-    """A recompute's seconds: as the clock took them, or between its two events."""
-    if isinstance(reading, float):
-        return reading
-    begun, ended = reading
-    ended.synchronize()  # done already where the step's own events are (rule 7)
-    return float(begun.elapsed_time(ended)) / 1000.0
+def _readings(module: nn.Module) -> _Readings:
+    found = _recompute_s.get(module)
+    if found is None:
+        found = _recompute_s[module] = _Readings()
+    return found
 
 
 def use_clock(module: nn.Module, clock: Callable[[], float]) -> None:
@@ -327,7 +359,7 @@ def take_recompute_seconds(modules: Iterable[nn.Module]) -> float | None:
     None when none of them was timed (not recomputed yet).
     """
     found = [_recompute_s.pop(module) for module in modules if module in _recompute_s]
-    return sum(_seconds(reading) for readings in found for reading in readings) if found else None
+    return sum(readings.total() for readings in found) if found else None
 
 
 def drop_recompute_seconds(modules: Iterable[nn.Module]) -> None:

@@ -224,6 +224,9 @@ class FakeEvent:
     def synchronize(self) -> None:
         self.synchronized = True
 
+    def query(self) -> bool:
+        return self.synchronized
+
     def elapsed_time(self, end: FakeEvent) -> float:
         return (end.at - self.at) * 1000.0
 
@@ -254,5 +257,32 @@ def test_recompute_on_cuda_is_timed_by_events_read_only_when_taken(
         module.drop_user_recompute_seconds()  # a step that does not time it reads nothing
         assert len(events) == 4 and not events[3].synchronized
         assert module.take_user_recompute_seconds() is None
+    finally:
+        ts.unrecompute(block)
+
+
+def test_recompute_on_cuda_keeps_no_event_pair_once_it_completed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A module recomputed by steps no profile times must not hold a pair per step.
+    module = importlib.import_module("tensorstash.recompute")
+    module.drop_user_recompute_seconds()
+    ticks = iter(range(0, 100, 2))
+
+    def completed(device: torch.device) -> FakeEvent:
+        event = FakeEvent(next(ticks))
+        event.synchronized = True
+        return event
+
+    monkeypatch.setattr(module, "_cuda_device", lambda args, kwargs: torch.device("cuda"))
+    monkeypatch.setattr(module, "_event", completed)
+    block = ts.recompute(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+    x = torch.randn(4, 8, requires_grad=True)
+    try:
+        for _ in range(3):
+            block(x).sum().backward()
+        readings = module._recompute_s[block]
+        assert len(readings.pending) == 1 and readings.seconds == pytest.approx(4.0)
+        assert module.take_user_recompute_seconds() == pytest.approx(6.0)
     finally:
         ts.unrecompute(block)
