@@ -131,6 +131,7 @@ from torch.utils._pytree import tree_leaves
 
 from tensorstash import _modules, _pool
 from tensorstash._memory import CudaPeak, PeakRss, faulted_since, meter, minor_faults
+from tensorstash._timers import CpuTimer, CudaTimer
 from tensorstash._trim import release_free_heap
 from tensorstash.recompute import (
     drop_recompute_seconds,
@@ -255,43 +256,6 @@ class StepRecord:
     @property
     def seconds(self) -> float:
         return self.forward_s + self.backward_s
-
-
-class _CpuTimer:
-    """Marks times with the profile's clock."""
-
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self.clock = clock
-
-    def mark(self) -> Any:
-        return self.clock()
-
-    def seconds(self, start: Any, end: Any) -> float:
-        return float(end - start)
-
-    @staticmethod
-    def done(end: Any) -> bool:
-        return True
-
-
-class _CudaTimer:
-    """Marks times with events on the current stream (rule 7): read once they complete."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def mark(self) -> Any:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def seconds(self, start: Any, end: Any) -> float:
-        end.synchronize()
-        return float(start.elapsed_time(end)) / 1000.0
-
-    @staticmethod
-    def done(end: Any) -> bool:
-        return bool(end.query())
 
 
 @dataclass(eq=False)
@@ -952,7 +916,7 @@ class _Step:
         self.calls = 0  # module calls so far, and packs since the last one (site orders)
         self.packs = 0
         self._calls: list[_Call] = []
-        self._timer: _CpuTimer | _CudaTimer = _CpuTimer(profile.clock)
+        self._timer: CpuTimer | CudaTimer = CpuTimer(profile.clock)
         self._meter: PeakRss | CudaPeak | None = None
         self._begun = self._timer.mark()
         self.faults = minor_faults()
@@ -999,8 +963,8 @@ class _Step:
     def use_device(self, device: torch.device) -> None:
         """The step runs on ``device`` (known at the first module call)."""
         self.device = device
-        if device.type == "cuda" and isinstance(self._timer, _CpuTimer):
-            self._timer = _CudaTimer(device)
+        if device.type == "cuda" and isinstance(self._timer, CpuTimer):
+            self._timer = CudaTimer(device)
             self._begun = self._timer.mark()
             if self._meter is not None:
                 self._meter.stop()
@@ -1168,8 +1132,8 @@ class _QuietStep:
         self.stats = stats  # the session's: its trim thread counts its calls there
         self.trims = self._returning()
         self.trim_s = 0.0
-        self.timer: _CpuTimer | _CudaTimer = (
-            _CudaTimer(device) if device.type == "cuda" else _CpuTimer(profile.clock)
+        self.timer: CpuTimer | CudaTimer = (
+            CudaTimer(device) if device.type == "cuda" else CpuTimer(profile.clock)
         )
         self.begun = self.timer.mark()
         # Counted from the session's start (read there: a getrusage is a system call, and

@@ -62,6 +62,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tensorstash._timers import CpuTimer, CudaTimer
+
 F = TypeVar("F", bound=Callable[..., Any])
 M = TypeVar("M", bound=nn.Module)
 
@@ -80,7 +82,7 @@ _NOTHING = object()
 
 class _Readings:
     """What backward spent recomputing one module since last taken (rule 7): seconds,
-    and the CUDA event pairs not yet read. A pair whose end completed is read when the
+    and the marks not yet read. A pair of marks whose end completed is read when the
     next is added, so a module recomputed by steps no profile times holds a pair or two,
     not one per step."""
 
@@ -88,29 +90,24 @@ class _Readings:
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self.pending: list[tuple[Any, Any]] = []
+        self.pending: list[tuple[CpuTimer | CudaTimer, Any, Any]] = []
 
-    def add_events(self, begun: Any, ended: Any) -> None:
+    def add(self, timer: CpuTimer | CudaTimer, start: Any, end: Any) -> None:
         still = []
-        for pair in self.pending:
-            if pair[1].query():
-                self.seconds += _elapsed(*pair)
+        for reading in self.pending:
+            if reading[0].done(reading[2]):
+                self.seconds += reading[0].seconds(reading[1], reading[2])
             else:
-                still.append(pair)
-        self.pending = [*still, (begun, ended)]
+                still.append(reading)
+        self.pending = [*still, (timer, start, end)]
 
     def total(self) -> float:
         """The seconds, once every pair's end completed (done already where the step's own
         events are)."""
-        for begun, ended in self.pending:
-            ended.synchronize()
-            self.seconds += _elapsed(begun, ended)
+        for timer, start, end in self.pending:
+            self.seconds += timer.seconds(start, end)
         self.pending = []
         return self.seconds
-
-
-def _elapsed(begun: Any, ended: Any) -> float:
-    return float(begun.elapsed_time(ended)) / 1000.0
 
 
 def _checkpointed(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -145,18 +142,16 @@ def _timed(module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]
         if torch._C._current_graph_task_id() == -1:
             return forward(*args, **kwargs)
         device = _cuda_device(args, kwargs)
-        if device is not None:
-            begun = _event(device)
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                _readings(module).add_events(begun, _event(device))
-        clock = _clocks.get(module, time.perf_counter)
-        start = clock()
+        timer = (
+            CudaTimer(device)
+            if device is not None
+            else CpuTimer(_clocks.get(module, time.perf_counter))
+        )
+        start = timer.mark()
         try:
             return forward(*args, **kwargs)
         finally:
-            _readings(module).seconds += clock() - start
+            _readings(module).add(timer, start, timer.mark())
 
     return run
 
@@ -167,13 +162,6 @@ def _cuda_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device 
         if isinstance(value, torch.Tensor) and value.is_cuda:
             return value.device
     return None
-
-
-def _event(device: torch.device) -> Any:
-    """A timing event recorded now on ``device``'s current stream."""
-    event = torch.cuda.Event(enable_timing=True)
-    event.record(torch.cuda.current_stream(device))
-    return event
 
 
 def _readings(module: nn.Module) -> _Readings:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from types import ModuleType
 
 import pytest
 import torch
@@ -230,22 +232,33 @@ class FakeEvent:
     def elapsed_time(self, end: FakeEvent) -> float:
         return (end.at - self.at) * 1000.0
 
+    def record(self, stream: object) -> None:
+        pass
+
+
+def fake_cuda(monkeypatch: pytest.MonkeyPatch, make: Callable[[], FakeEvent]) -> ModuleType:
+    """The recompute module, its arguments taken as CUDA tensors and its timer's events
+    made by ``make`` (this test has no CUDA)."""
+    module = importlib.import_module("tensorstash.recompute")  # ts.recompute is the function
+    module.drop_user_recompute_seconds()  # left by the tests before
+    monkeypatch.setattr(module, "_cuda_device", lambda args, kwargs: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing: make())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: None)
+    return module
+
 
 def test_recompute_on_cuda_is_timed_by_events_read_only_when_taken(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # NOTE [ Recompute ] rule 7: untimed on CUDA, a launch-bound step's recompute was
     # priced at forward times the profile's own timing had inflated.
-    module = importlib.import_module("tensorstash.recompute")  # ts.recompute is the function
     ticks, events = iter(range(0, 100, 2)), []
 
-    def event(device: torch.device) -> FakeEvent:
+    def event() -> FakeEvent:
         events.append(FakeEvent(next(ticks)))
         return events[-1]
 
-    module.drop_user_recompute_seconds()  # left by the tests before
-    monkeypatch.setattr(module, "_cuda_device", lambda args, kwargs: torch.device("cuda"))
-    monkeypatch.setattr(module, "_event", event)
+    module = fake_cuda(monkeypatch, event)
     block = ts.recompute(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
     x = torch.randn(4, 8, requires_grad=True)
     try:
@@ -265,17 +278,14 @@ def test_recompute_on_cuda_keeps_no_event_pair_once_it_completed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A module recomputed by steps no profile times must not hold a pair per step.
-    module = importlib.import_module("tensorstash.recompute")
-    module.drop_user_recompute_seconds()
     ticks = iter(range(0, 100, 2))
 
-    def completed(device: torch.device) -> FakeEvent:
+    def completed() -> FakeEvent:
         event = FakeEvent(next(ticks))
         event.synchronized = True
         return event
 
-    monkeypatch.setattr(module, "_cuda_device", lambda args, kwargs: torch.device("cuda"))
-    monkeypatch.setattr(module, "_event", completed)
+    module = fake_cuda(monkeypatch, completed)
     block = ts.recompute(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
     x = torch.randn(4, 8, requires_grad=True)
     try:
