@@ -3,7 +3,8 @@
 A plan weighs recomputing a module (its measured forward time) against moving
 bytes; both must be measured under the same load, so the speeds of moving
 bytes are probed on this thread when a plan is made, a few milliseconds each,
-and reused for ``REUSE_S`` seconds.
+and reused for ``REUSE_S`` seconds. What a checkpointed region costs beyond
+its recompute is probed once per device (:func:`region_cost`).
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import statistics
 import tempfile
 import time
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 import lz4.block
 import torch
@@ -24,6 +27,7 @@ from tensorstash._layout import memory
 PROBE_BYTES = 4 << 20
 REUSE_S = 30.0
 _cache: dict[object, tuple[float, float]] = {}
+_regions: dict[str, tuple[float, float]] = {}
 
 
 def _reused(key: object, probe: Callable[[], float]) -> float:
@@ -129,3 +133,68 @@ def _probe_link(device: torch.device) -> float:
     end.record()
     end.synchronize()
     return 2 * source.numel() / max(start.elapsed_time(end) / 1000.0, 1e-9)
+
+
+SHORT_REGION, LONG_REGION = 4, 36
+"""The probe's regions: how many tensors each saves (:func:`region_cost`)."""
+REGION_RUNS, REGION_ROUNDS = 8, 5
+
+
+def region_cost(device: torch.device) -> tuple[float, float]:
+    """Seconds a checkpointed region costs a step beyond its recompute: per region, and
+    per tensor it saves (NOTE [ Plan ] rule 3).
+
+    Non-reentrant checkpointing runs Python for each tensor the region saves,
+    once in forward (a holder in place of the tensor) and once in backward
+    (the unpack that looks up what the recompute made again), and some for
+    the region itself (RNG state, its hook pair). On a step bound by
+    launching kernels that time is the step's: on the bench's ``medium``
+    (H200) a step recomputing every block took 14.5 ms over no stash's 13.5,
+    and its recompute, timed in backward, 5 ms of it. The probe runs chains
+    of ``sin`` (each saves its input) on a small tensor of ``device``, with
+    and without checkpointing, and takes what checkpointing added beyond one
+    more forward, for a short and a long chain. Probed once per device: it is
+    the interpreter's cost, not the load's.
+    """
+    key = str(device)
+    found = _regions.get(key)
+    if found is None:
+        found = _regions[key] = _probe_regions(device)
+    return found
+
+
+def _same(tensor: Any) -> Any:
+    return tensor
+
+
+def _probe_regions(device: torch.device) -> tuple[float, float]:
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.ones(8, device=device, requires_grad=True)
+
+    def chain(t: torch.Tensor, n: int) -> torch.Tensor:
+        for _ in range(n):
+            t = t.sin()
+        return t.sum()
+
+    def timed(run: Callable[[], Any]) -> float:
+        start = time.perf_counter()
+        for _ in range(REGION_RUNS):
+            run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - start) / REGION_RUNS
+
+    def extra(n: int) -> float:
+        forward = timed(lambda: chain(x, n))
+        plain = timed(lambda: chain(x, n).backward())
+        region = timed(lambda: checkpoint(chain, x, n, use_reentrant=False).backward())
+        return region - plain - forward
+
+    # Outside any session's hooks: the probe's tensors are no step's.
+    with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        extra(SHORT_REGION)  # the first run of checkpointing imports what it needs
+        short = statistics.median(extra(SHORT_REGION) for _ in range(REGION_ROUNDS))
+        long = statistics.median(extra(LONG_REGION) for _ in range(REGION_ROUNDS))
+    per_tensor = max(long - short, 0.0) / (LONG_REGION - SHORT_REGION)
+    return max(short - SHORT_REGION * per_tensor, 0.0), per_tensor

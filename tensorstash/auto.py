@@ -667,16 +667,33 @@ class _AutoState:
 
     def _rates(self, root: nn.Module) -> Rates:
         """The speeds of moving bytes, probed now (see _rates.py)."""
+        region_s, saved_s = self._region_cost(root)
         if self.device_type == "cuda":
             device = next((p.device for p in root.parameters()), torch.device("cuda"))
-            return Rates(link=_rates.link_rate(device))
+            return Rates(link=_rates.link_rate(device), region_s=region_s, saved_s=saved_s)
         # On the CPU the writer and the compressor run on the cores the step runs
         # on, and take the interpreter from it between their calls: a probe alone
         # says too little. Until a step measured it (Plan rule 6), a byte costs
         # CPU_CONTENTION times what the probe took.
         disk, lz4 = _rates.disk_rate(self.auto.directory), _rates.compress_rate()
         refault = _rates.refault_rate() or Rates.refault  # what the step pays: NOTE [ Plan ] 8
-        return Rates(disk=disk / CPU_CONTENTION, compress=lz4 / CPU_CONTENTION, refault=refault)
+        return Rates(
+            disk=disk / CPU_CONTENTION,
+            compress=lz4 / CPU_CONTENTION,
+            refault=refault,
+            region_s=region_s,
+            saved_s=saved_s,
+        )
+
+    def _region_cost(self, root: nn.Module) -> tuple[float, float]:
+        """What a recomputed region costs beyond its recompute (``_rates.region_cost``),
+        probed only where a plan may recompute: a run that fits runs no checkpointing."""
+        auto = self.auto
+        activation = sum(record.nbytes for record in self.profile.last.values())
+        if not auto.recompute or (activation <= self.budget and not auto.always_recompute):
+            return 0.0, 0.0
+        device = next((p.device for p in root.parameters()), torch.device(self.device_type))
+        return _rates.region_cost(device)
 
     def _recompute(self, paths: tuple[str, ...]) -> None:
         profile = self.profile

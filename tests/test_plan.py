@@ -288,6 +288,40 @@ def test_plan_costs_recompute_at_what_backward_took_to_recompute() -> None:
     assert plan is not None and plan.choices[0].cost_s == pytest.approx(0.002)
 
 
+def test_plan_prices_what_each_recomputed_region_costs_beyond_its_recompute() -> None:
+    profile = profile_of(
+        {"a": (0.005, MiB), "a.x": (0.002, MiB), "a.y": (0.002, MiB), "b": (0.004, MiB)},
+        {"a.x": [4 * MiB], "a.y": [4 * MiB], "b": [4 * MiB, 4 * MiB]},
+    )
+    # Without what a region costs beyond its recompute, "a.x" and "a.y" save 6 MiB for
+    # less forward time than "a"; with it, one region costs less than two.
+    plan = make_plan(profile, 10 * MiB)
+    assert plan is not None and plan.recompute == ("a.x", "a.y")
+    rates = Rates(region_s=0.002, saved_s=0.0005)
+    plan = make_plan(profile, 10 * MiB, rates=rates)
+    assert plan is not None and plan.recompute == ("a",)
+    (choice,) = plan.choices
+    assert choice.cost_s == pytest.approx(0.005 + 0.002 + 2 * 0.0005)  # its two sites
+    assert plan.predicted_step_s - plan.base_step_s == pytest.approx(choice.cost_s)
+    # A step that recomputed "a" took its recompute (timed) and its region's own cost:
+    # neither is in the plain step's base, and the plan is predicted as it ran.
+    profile.history.append(StepRecord(0.4, 0.605, 9 * MiB, None, ("a",), recompute_s=0.003))
+    plan = make_plan(profile, 10 * MiB, rates=rates)
+    assert plan is not None and plan.recompute == ("a",)
+    assert plan.base_step_s == pytest.approx(1.005 - 0.003 - 0.003 - plan.hooks_s)
+    assert plan.predicted_step_s == pytest.approx(1.005 - plan.hooks_s)
+
+
+def test_region_cost_is_probed_once_per_device() -> None:
+    from tensorstash import _rates
+
+    device = torch.device("cpu")
+    _rates._regions.pop(str(device), None)
+    region_s, saved_s = _rates.region_cost(device)
+    assert 0.0 <= region_s < 0.05 and 0.0 < saved_s < 0.005, (region_s, saved_s)
+    assert _rates.region_cost(device) == (region_s, saved_s)
+
+
 # -- Auto following the plan ----------------------------------------------------------------
 
 
