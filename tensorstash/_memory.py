@@ -16,7 +16,10 @@
    pages and show no growth at all (see DESIGN.md, measured facts). Every
    variant starts from the same trimmed heap, and its step time includes the
    first touch of the fresh pages it uses (about 1.2 GB/s on the 2-core
-   machines here), as in a process just started.
+   machines here), as in a process just started. On CUDA, where the real
+   peak is the device's (rule 5), garbage is collected and the heap kept:
+   a step there would fault in the interpreter's pages for nothing it
+   measures, and a step bound by launching kernels pays that in full.
 4. Everything the process holds counts: bytes a stash counts as "disk" that
    still wait for the writer, compressed buffers, allocator slack, the
    recomputation of a checkpointed block.
@@ -118,10 +121,12 @@ def _reset_high_water_rss() -> bool:
     return _high_water_rss() is not None
 
 
-def return_free_memory() -> None:
-    """Rule 3 of NOTE [ Real memory ]: collect garbage, return the allocator's free memory."""
+def return_free_memory(device: torch.device | None = None) -> None:
+    """Rule 3 of NOTE [ Real memory ]: collect garbage, and return the allocator's free
+    memory unless the step runs on a CUDA ``device``."""
     gc.collect()
-    release_free_heap()
+    if device is None or device.type != "cuda":
+        release_free_heap()
 
 
 def minor_faults() -> int | None:

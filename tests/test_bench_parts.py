@@ -158,6 +158,21 @@ def test_peak_rss_sees_memory_touched_and_freed_inside(resettable: bool) -> None
     assert meter.delta_bytes >= 48 * MIB
 
 
+def test_a_step_on_cuda_begins_from_collected_garbage_and_a_kept_heap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Rule 3 of NOTE [ Real memory ]: the heap is handed back only where RSS is measured.
+    from tensorstash import _memory
+
+    trims: list[int] = []
+    monkeypatch.setattr(_memory, "release_free_heap", lambda: trims.append(1))
+    bench.return_free_memory(torch.device("cuda", 0))
+    assert trims == []
+    bench.return_free_memory(torch.device("cpu"))
+    bench.return_free_memory()
+    assert trims == [1, 1]
+
+
 def test_peak_rss_of_a_region_that_allocates_nothing_is_small() -> None:
     bench.return_free_memory()
     with PeakRss() as meter:

@@ -139,7 +139,7 @@ class StepRunner:
         # growth after a step whose session was kept, 42 MiB after one that was let go).
         self.session = None
         self._reset()
-        return_free_memory()  # rule 3 of NOTE [ Real memory ]
+        return_free_memory(self.device)  # rule 3 of NOTE [ Real memory ]
         trace = Timeline(self.model, self.device) if timeline else None
         with meter(self.device) as measured, trace or contextlib.nullcontext():
             start = time.perf_counter()
