@@ -35,7 +35,11 @@
    counts left from a step it does not time are dropped, unread:
    :func:`drop_recompute_seconds`). On the CPU the profile's clock times it;
    on CUDA a pair of events on the current stream around it, read once the
-   step's own events completed, so a step waits for nothing it would not
+   step's own events completed, so a step waits for nothing it would not,
+   and the host's time in it where that is longer: where launching kernels
+   bounds backward, the device reaches the first event late, still running
+   what backward queued before it, and the pair spans only what is left of
+   the host's time, which is what the step pays
    (on the bench's ``medium``, an H200 step bound by launching kernels,
    recomputing every block added about 22 ms to a 23 ms step while their
    forward times, measured with the profile's timing of every module, summed
@@ -90,24 +94,31 @@ class _Readings:
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self.pending: list[tuple[CpuTimer | CudaTimer, Any, Any]] = []
+        self.pending: list[tuple[CpuTimer | CudaTimer, Any, Any, float]] = []
 
-    def add(self, timer: CpuTimer | CudaTimer, start: Any, end: Any) -> None:
+    def add(self, timer: CpuTimer | CudaTimer, start: Any, end: Any, wall: float = 0.0) -> None:
+        """A pair of marks around one recompute, and the seconds the host spent in it
+        (on CUDA: the reading is the longer of the two)."""
         still = []
         for reading in self.pending:
             if reading[0].done(reading[2]):
-                self.seconds += reading[0].seconds(reading[1], reading[2])
+                self.seconds += _read(reading)
             else:
                 still.append(reading)
-        self.pending = [*still, (timer, start, end)]
+        self.pending = [*still, (timer, start, end, wall)]
 
     def total(self) -> float:
         """The seconds, once every pair's end completed (done already where the step's own
         events are)."""
-        for timer, start, end in self.pending:
-            self.seconds += timer.seconds(start, end)
+        for reading in self.pending:
+            self.seconds += _read(reading)
         self.pending = []
         return self.seconds
+
+
+def _read(reading: tuple[CpuTimer | CudaTimer, Any, Any, float]) -> float:
+    timer, start, end, wall = reading
+    return max(timer.seconds(start, end), wall)
 
 
 def _checkpointed(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -142,16 +153,16 @@ def _timed(module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]
         if torch._C._current_graph_task_id() == -1:
             return forward(*args, **kwargs)
         device = _cuda_device(args, kwargs)
-        timer = (
-            CudaTimer(device)
-            if device is not None
-            else CpuTimer(_clocks.get(module, time.perf_counter))
-        )
+        clock = _clocks.get(module, time.perf_counter)
+        timer = CudaTimer(device) if device is not None else CpuTimer(clock)
         start = timer.mark()
+        began = clock() if device is not None else 0.0
         try:
             return forward(*args, **kwargs)
         finally:
-            _readings(module).add(timer, start, timer.mark())
+            end = timer.mark()
+            wall = clock() - began if device is not None else 0.0
+            _readings(module).add(timer, start, end, wall)
 
     return run
 

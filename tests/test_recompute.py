@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import time
 from collections.abc import Callable
 from types import ModuleType
 
@@ -219,7 +220,7 @@ def test_recompute_modules_names_missing_submodules() -> None:
 class FakeEvent:
     """A CUDA timing event stand-in: recorded at a tick, elapsed in milliseconds."""
 
-    def __init__(self, at: int) -> None:
+    def __init__(self, at: float) -> None:
         self.at = at
         self.synchronized = False
 
@@ -270,6 +271,32 @@ def test_recompute_on_cuda_is_timed_by_events_read_only_when_taken(
         module.drop_user_recompute_seconds()  # a step that does not time it reads nothing
         assert len(events) == 4 and not events[3].synchronized
         assert module.take_user_recompute_seconds() is None
+    finally:
+        ts.unrecompute(block)
+
+
+def test_recompute_on_cuda_counts_the_hosts_time_where_the_events_see_less(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # NOTE [ Recompute ] rule 7: on a step bound by launching kernels the device reaches
+    # the first event late, and the pair spans less than the host spent recomputing.
+    ticks = iter(range(100))
+
+    def event() -> FakeEvent:
+        return FakeEvent(next(ticks) / 1000.0)  # a millisecond apart
+
+    class Slow(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if torch._C._current_graph_task_id() != -1:
+                time.sleep(0.05)  # the host's time in backward's recompute
+            return x.tanh()
+
+    module = fake_cuda(monkeypatch, event)
+    block = ts.recompute(Slow())
+    x = torch.randn(4, 8, requires_grad=True)
+    try:
+        block(x).sum().backward()
+        assert module.take_user_recompute_seconds() >= 0.05
     finally:
         ts.unrecompute(block)
 
