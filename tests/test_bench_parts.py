@@ -31,7 +31,8 @@ def _step(seconds: float, peak: int, **kwargs: Any) -> StepResult:
 
 
 def _row(policy: str, step_s: float, peak: int, dtype: str = "float32", **kwargs: Any) -> bench.Row:
-    return bench.Row(policy, dtype, step_s, 1.0, peak, 1.0, grads_equal=True, **kwargs)
+    overhead = kwargs.pop("overhead", step_s)  # against a 1 s step of none's
+    return bench.Row(policy, dtype, step_s, overhead, peak, 1.0, grads_equal=True, **kwargs)
 
 
 # -- rows ----------------------------------------------------------------------------------
@@ -80,6 +81,16 @@ def test_pareto_front_keeps_what_nothing_beats() -> None:
         bench.Row.skip("trl", "float32", "not here"),
     ]
     assert [row.policy for row in bench.pareto_front(rows)] == ["none", "checkpoint", "auto"]
+
+
+def test_pareto_front_compares_steps_by_their_same_round_ratios() -> None:
+    # A noisy machine: the slow rounds fell on "auto"'s steps more than on "disk"'s.
+    rows = [
+        _row("none", 0.24, 100, overhead=1.0),
+        _row("disk", 0.35, 35, overhead=1.43),
+        _row("auto", 0.39, 39, overhead=1.07),
+    ]
+    assert [row.policy for row in bench.pareto_front(rows)] == ["none", "disk", "auto"]
 
 
 def test_plan_effect_compares_the_row_with_its_twin() -> None:

@@ -139,7 +139,7 @@ def _front_panel(axes: Any, rows: Sequence[Row], *, cuda: bool) -> None:
             [_mib(row.real_peak_bytes) for row in mine],
             color=color, marker=marker, s=36, zorder=3, label=dtype,
         )  # fmt: skip
-        front = sorted(pareto_front(mine), key=lambda row: row.step_s)
+        front = sorted(pareto_front(mine), key=lambda row: row.overhead)
         axes.step(
             [row.step_s for row in front],
             [_mib(row.real_peak_bytes) for row in front],
