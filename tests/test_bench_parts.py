@@ -225,6 +225,13 @@ def test_bench_plot_writes_a_png(tmp_path: Path) -> None:
     assert len(keep["real"]) == len(keep["t_s"]) and max(keep["real"]) > 0
 
 
+def test_plot_places_steps_at_none_s_median_times_the_same_round_ratio() -> None:
+    rows = [_row("none", 0.24, 100, overhead=1.0), _row("auto:50%", 0.39, 39, overhead=1.07)]
+    at = _plot._step_axis(rows)
+    assert at(rows[1]) == pytest.approx(0.24 * 1.07)
+    assert _plot._step_axis(rows[1:])(rows[1]) == 0.39  # no row of none: its own median
+
+
 def test_plot_draws_both_dtypes_predictions_twins_and_skips(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     rows = [
