@@ -430,6 +430,24 @@ def test_auto_sets_up_checkpointing_only_for_a_plan_that_recomputes_outside_its_
     assert planned.peak_bytes is not None  # its import is not the step's memory
 
 
+@pytest.mark.parametrize("clocked", [False, True], ids=["perf_counter", "ticks"])
+def test_auto_probes_the_region_cost_only_where_a_plan_may_recompute_on_its_clock(
+    monkeypatch: pytest.MonkeyPatch, clocked: bool
+) -> None:
+    from tensorstash import _rates
+
+    probed: list[torch.device] = []
+    monkeypatch.setattr(_rates, "region_cost", lambda device: probed.append(device) or (0, 0))
+    model, x = fresh(), data()
+    budget = activation_bytes(model, x)
+    profile = ticking() if clocked else ts.Profile()
+    train(model, 2, ts.Auto(device_budget=2 * budget), profile)
+    assert probed == []  # it fits: no plan recomputes
+    train(model, 2, ts.Auto(device_budget=budget // 2), profile)
+    # A test's ticks are not the probe's seconds: nothing is probed on them.
+    assert set(probed) == (set() if clocked else {torch.device("cpu")})  # (cached there)
+
+
 def test_auto_times_what_backward_spends_recomputing_the_plan() -> None:
     model = fresh()
     budget = activation_bytes(model, data()) // 2
