@@ -667,9 +667,9 @@ class _AutoState:
 
     def _rates(self, root: nn.Module) -> Rates:
         """The speeds of moving bytes, probed now (see _rates.py)."""
-        region_s, saved_s = self._region_cost(root)
+        device = next((p.device for p in root.parameters()), torch.device(self.device_type))
+        region_s, saved_s = self._region_cost(device)
         if self.device_type == "cuda":
-            device = next((p.device for p in root.parameters()), torch.device("cuda"))
             return Rates(link=_rates.link_rate(device), region_s=region_s, saved_s=saved_s)
         # On the CPU the writer and the compressor run on the cores the step runs
         # on, and take the interpreter from it between their calls: a probe alone
@@ -685,7 +685,7 @@ class _AutoState:
             saved_s=saved_s,
         )
 
-    def _region_cost(self, root: nn.Module) -> tuple[float, float]:
+    def _region_cost(self, device: torch.device) -> tuple[float, float]:
         """What a recomputed region costs beyond its recompute (``_rates.region_cost``),
         probed only where a plan may recompute: a run that fits runs no checkpointing.
         Nothing where the profile's clock is not ``time.perf_counter`` (a test's ticks):
@@ -696,7 +696,6 @@ class _AutoState:
             return 0.0, 0.0
         if self.profile.clock is not time.perf_counter:
             return 0.0, 0.0
-        device = next((p.device for p in root.parameters()), torch.device(self.device_type))
         return _rates.region_cost(device)
 
     def _recompute(self, paths: tuple[str, ...]) -> None:
