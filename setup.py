@@ -2,24 +2,71 @@
 
 Without a compiler the build goes on without them: tensorstash then uses its
 pure-Python hooks (NOTE [ Fast path ] in tensorstash/_fastpath.py) and hands
-memory back by trimming the heap (NOTE [ Session pool ] in tensorstash/_pool.py).
-The session pool (``tensorstash._alloc``) builds against the torch installed
-where the build runs, so it is built only where torch can be imported there:
-``pip install --no-build-isolation`` (as ``make install`` does).
+memory back by trimming the heap (NOTE [ Session pool ] in tensorstash/_pool.py);
+``tensorstash.info()`` says which extensions are active, and why not.
+
+The session pool (``tensorstash._alloc``) builds against the torch of the
+environment it is installed into, and is stamped with that torch's version,
+which it checks at import (rule 5). Under ``pip install --no-build-isolation``
+that torch is importable here. Under an isolated build (a plain ``pip install .``)
+it is not, so the build asks the interpreter that runs pip, started with ``-I``
+(its own site-packages, not the isolated environment's), where its torch is.
+Where no torch is found (torch is not installed yet), the pool is not built.
 """
 
+from __future__ import annotations
+
+import json
 import os
+import subprocess
+import sys
 
 from setuptools import Extension, setup
 
+_PROBE = (
+    "import json, os, torch; print(json.dumps({'root': os.path.dirname(torch.__file__), "
+    "'version': torch.__version__, 'abi': int(torch._C._GLIBCXX_USE_CXX11_ABI)}))"
+)
 
-def _session_pool() -> list[Extension]:
+
+def _find_torch() -> dict[str, object] | None:
+    """Where the torch that tensorstash will run with lives: this interpreter's, or, in
+    an isolated build, that of the interpreter running pip (its site-packages)."""
     try:
         import torch
     except ImportError:
+        pass
+    else:
+        return {
+            "root": os.path.dirname(torch.__file__),
+            "version": torch.__version__,
+            "abi": int(torch._C._GLIBCXX_USE_CXX11_ABI),
+        }
+    try:
+        found = subprocess.run(
+            [sys.executable, "-I", "-c", _PROBE],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+        return dict(json.loads(found.stdout.strip().splitlines()[-1]))
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def _session_pool() -> list[Extension]:
+    if not sys.platform.startswith("linux"):
+        return []  # mmap, mremap: Linux only (rule 5)
+    torch = _find_torch()
+    if torch is None:
+        print(
+            "tensorstash: no torch found to build the session pool against; tensorstash will "
+            "trim the heap instead (install torch first, then tensorstash)",
+            file=sys.stderr,
+        )
         return []
-    root = os.path.dirname(torch.__file__)
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    root = str(torch["root"])
     return [
         Extension(
             "tensorstash._alloc",
@@ -29,7 +76,12 @@ def _session_pool() -> list[Extension]:
             library_dirs=[os.path.join(root, "lib")],
             libraries=["c10"],
             optional=True,
-            extra_compile_args=["-O2", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"],
+            extra_compile_args=[
+                "-O2",
+                "-std=c++17",
+                f"-D_GLIBCXX_USE_CXX11_ABI={torch['abi']}",
+                f"-DTENSORSTASH_TORCH_VERSION={json.dumps(str(torch['version']))}",
+            ],
         )
     ]
 

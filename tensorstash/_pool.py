@@ -66,42 +66,111 @@
    spill's from rule 2's point until its graph is freed, ``Auto``'s over the
    step its ``Watch`` covers), with the largest cap asked for. It serves
    every thread meanwhile: blocks other threads make are freed through it
-   too, whenever that happens, and it stays loaded for them. Installed once,
-   it stays PyTorch's CPU allocator for good, and between leases hands every
-   request to the allocator it replaced: oneDNN (an LSTM on the CPU, among
-   others) takes scratch memory with ``raw_allocate`` and gives it back with
-   ``raw_deallocate`` of whichever allocator is installed then, and only the
-   pool knows which blocks are its own. Swapping allocators back and forth,
-   a lease that ended on another thread (a ``Watch``, at the end of a
-   backward that recomputed an LSTM) while such an op ran handed a pool
-   block to ``free()``, and the process aborted.
-5. It is a C++ extension built against the torch of the build
-   (``pip install --no-build-isolation``): where it is missing or fails to
-   load (another torch), or ``TENSORSTASH_POOL=0`` is set, sessions trim the
-   heap as NOTE [ Returning memory ] says. Under ``LD_PRELOAD``'d jemalloc or
-   tcmalloc the pool serves as well; it is Linux only.
-6. A forked child gets the pool as its parent had it, with its lock made anew
-   (a fork while another thread held it would otherwise hang the child).
+   too, whenever that happens. It becomes PyTorch's CPU allocator once, when
+   this module is imported, and stays it: torch allows ``SetCPUAllocator``
+   only at initialization, and a request on another thread while it runs
+   must reach either the allocator the pool replaces or the pool passing it
+   on, so the pool records that allocator before it is published and never
+   changes it. Leases switch serving on and off (an atomic); between them the
+   pool hands every request to that allocator. It is never swapped back:
+   oneDNN (an LSTM on the CPU, among others) takes scratch memory with
+   ``raw_allocate`` and gives it back with ``raw_deallocate`` of whichever
+   allocator is installed then, and only the pool knows which blocks are its
+   own. It goes in only over c10's default CPU allocator: where another
+   library installed its own first, the pool stays out.
+5. It is a C++ extension built against the torch of the environment it is
+   installed into (setup.py) and stamped with that torch's version
+   (``_alloc.TORCH_VERSION``). The ``c10::Allocator`` interface changes
+   between versions, so it is used only under that same torch: under
+   another, it is not loaded past its stamp, one warning says so, and
+   sessions trim the heap as NOTE [ Returning memory ] says. So they do where
+   it is not built, fails to load, ``TENSORSTASH_POOL=0`` is set, or rule 4
+   keeps it out; :func:`tensorstash.info` says which, and why. Under
+   ``LD_PRELOAD``'d jemalloc or tcmalloc the pool serves as well; it is
+   Linux only.
+6. Across ``fork`` the pool's lock is held (``pthread_atfork``), so the child
+   gets its lists whole; the child serves nothing, unmaps its copies of the
+   blocks waiting, and counts its high-water mark from what it holds. Leases
+   belong to the parent: the child's ``_caps`` start empty.
 7. Blocks of the pool are not reported to PyTorch's memory profiler.
+8. A library that installs its own CPU allocator after the pool displaces
+   it: the pool sees it at its next lease or large request, and serves no
+   more, for good (sessions trim). ``raw_allocate`` is not virtual, so the
+   pool cannot tell which of its blocks were taken raw; those still in use
+   when another allocator comes would be given back through that allocator.
+   Installing at import (rule 4) is what keeps that from happening: a library
+   that installs its allocator when it is imported, as torch asks, displaces
+   the pool before any session made a block.
+9. A block whose ``munmap`` fails stays mapped, out of every list but the
+   pool's stuck ones, and is unmapped at a later try; ``PoolCounts`` counts
+   the failures and the bytes still stuck.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 import threading
+import warnings
+from collections.abc import Mapping
 from types import ModuleType
 from typing import NamedTuple
 
 import torch  # loads libc10, which _alloc needs
 
-compiled: ModuleType | None
-if os.environ.get("TENSORSTASH_POOL", "") == "0":
-    compiled = None
-else:
+_STATES = {
+    0: "the session pool is not installed",
+    2: "another CPU allocator than c10's default was installed before tensorstash was "
+    "imported: the session pool stays out (rule 4)",
+    3: "c10 kept a CPU allocator installed with a higher priority (rule 4)",
+    4: "another library installed its own CPU allocator after tensorstash: the session pool "
+    "serves no more (rule 8)",
+}
+
+
+def load(
+    environ: Mapping[str, str] = os.environ,
+    torch_version: str = torch.__version__,
+    name: str = "tensorstash._alloc",
+) -> tuple[ModuleType | None, str]:
+    """Load and install the session pool (rules 4 and 5): the extension and "active",
+    or None and why not. Warns once where the extension was built for another torch."""
+    if environ.get("TENSORSTASH_POOL", "") == "0":
+        return None, "turned off by TENSORSTASH_POOL=0"
+    if not sys.platform.startswith("linux"):
+        return None, f"Linux only (this is {sys.platform})"
     try:
-        from tensorstash import _alloc as compiled
-    except (ImportError, OSError):  # not built, or built against another torch (rule 5)
-        compiled = None
+        module = importlib.import_module(name)
+    except ModuleNotFoundError:
+        return None, (
+            "not built: no C++ compiler, or no torch, where tensorstash was installed; "
+            "install torch first, then `pip install --force-reinstall --no-deps tensorstash`"
+        )
+    except Exception as error:  # any failure to load means no pool (rule 5)
+        return None, _warned(f"failed to load ({type(error).__name__}: {error})")
+    built_for = getattr(module, "TORCH_VERSION", "an unknown version")
+    if built_for != torch_version:
+        return None, _warned(f"built for torch {built_for}, but torch {torch_version} runs")
+    state = module.install()
+    if state != 1:
+        return None, _STATES.get(state, f"unknown state {state}")
+    return module, "active"
+
+
+def _warned(why: str) -> str:
+    warnings.warn(
+        f"tensorstash: the session pool is off: {why}; sessions trim the heap instead. "
+        "Rebuild it against the torch installed: `pip install --no-build-isolation "
+        "--force-reinstall --no-deps tensorstash` (or set TENSORSTASH_POOL=0 to silence this)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return why
+
+
+compiled: ModuleType | None
+compiled, _why = load()
 
 del torch
 
@@ -124,6 +193,8 @@ class PoolCounts(NamedTuple):
         live_bytes: bytes of the pool's blocks in use now.
         mapping_s: seconds spent mapping, growing and unmapping blocks, on
             every thread.
+        unmap_failures: ``munmap`` calls that failed (rule 9).
+        stuck_bytes: bytes of blocks whose ``munmap`` failed, still mapped.
     """
 
     hits: int
@@ -134,19 +205,44 @@ class PoolCounts(NamedTuple):
     cached_bytes: int
     live_bytes: int
     mapping_s: float
+    unmap_failures: int = 0
+    stuck_bytes: int = 0
 
 
 def counts() -> PoolCounts | None:
     """What the pool did (None where there is no pool)."""
     if compiled is None:
         return None
-    hits, grown, misses, unmapped, unmapped_bytes, cached, live, mapping_ns = compiled.counts()
-    return PoolCounts(hits, grown, misses, unmapped, unmapped_bytes, cached, live, mapping_ns / 1e9)
+    hits, grown, misses, unmapped, unmapped_bytes, cached, live, mapping_ns, failures, stuck = (
+        compiled.counts()
+    )
+    return PoolCounts(
+        hits,
+        grown,
+        misses,
+        unmapped,
+        unmapped_bytes,
+        cached,
+        live,
+        mapping_ns / 1e9,
+        failures,
+        stuck,
+    )
 
 
 def installed() -> bool:
     """Whether the pool serves PyTorch's CPU allocations now."""
-    return compiled is not None and bool(compiled.installed())
+    return compiled is not None and bool(compiled.serving())
+
+
+def status() -> tuple[bool, str]:
+    """Whether the pool can serve sessions, and "active" or why not (rule 5)."""
+    if compiled is None:
+        return False, _why
+    state = compiled.state()
+    if state != 1:
+        return False, _STATES.get(state, f"unknown state {state}")
+    return True, "active"
 
 
 _lock = threading.RLock()  # a lease freed by the collector may close under it
@@ -169,7 +265,7 @@ class Lease:
             if _caps:
                 self._pool.set_cap(max(_caps.values()))
             else:
-                self._pool.uninstall()
+                self._pool.stop()
 
     def __del__(self) -> None:
         if _caps is not None:  # None while the interpreter shuts down
@@ -181,14 +277,15 @@ _next_id = iter(range(1, 1 << 62))
 
 def lease(cap: int) -> Lease | None:
     """Serve CPU blocks from the pool until the lease is closed, keeping up to ``cap``
-    bytes of freed blocks (rule 1). None where there is no pool (rule 5)."""
+    bytes of freed blocks (rule 1). None where there is no pool (rule 5) or another
+    allocator displaced it (rule 8)."""
     if compiled is None:
         return None
     pool = compiled
     with _lock:
         lease_id = next(_next_id)
         _caps[lease_id] = cap
-        if not pool.install(max(_caps.values()), LEAST):
+        if not pool.serve(max(_caps.values()), LEAST):
             del _caps[lease_id]
             return None
         return Lease(lease_id, pool)
@@ -197,6 +294,7 @@ def lease(cap: int) -> Lease | None:
 def _forget_in_child() -> None:
     global _lock
     _lock = threading.RLock()  # another thread may have held it at the fork
+    _caps.clear()  # the parent's leases (rule 6)
 
 
 if hasattr(os, "register_at_fork"):
