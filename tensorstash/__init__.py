@@ -8,6 +8,7 @@ Example:
     >>> print(session.stats.table())
 """
 
+from tensorstash._info import info
 from tensorstash._verify import VerifyError
 from tensorstash.auto import Auto, Memory, Select
 from tensorstash.compress import Lz4
@@ -39,6 +40,7 @@ __all__ = [
     "SpillError",
     "StashStats",
     "VerifyError",
+    "info",
     "pause",
     "recompute",
     "recompute_modules",

@@ -224,7 +224,7 @@ class Pool final : public c10::Allocator {
             static_cast<int64_t>(stuck_bytes_)};
   }
 
-  bool serving() { return serving_.load(std::memory_order_acquire); }
+  bool serving() { return serving_.load(std::memory_order_acquire) && still_current(); }
 
   int state() {
     std::lock_guard<std::mutex> guard(mutex_);

@@ -317,3 +317,81 @@ def test_pool_stays_the_cpu_allocator_between_leases_and_serves_no_block_there()
     assert not _pool.installed() and counts().misses == before.misses
     del block
     assert counts().unmapped == before.unmapped
+
+
+def test_a_forked_child_serves_nothing_and_keeps_none_of_its_parents_waiting_blocks() -> None:
+    # Rule 6: a child inherited its parent's serving flag, high-water mark and blocks
+    # waiting, so a DataLoader worker forked during a lease could keep up to the parent's
+    # high-water mark mapped.
+    lease = _pool.lease(4 * MiB)
+    assert lease is not None
+    try:
+        blocks = [torch.empty(MiB) for _ in range(8)]  # 32 MiB in use: the high-water mark
+        del blocks[:]
+        assert counts().cached_bytes == 32 * MiB
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                now = counts()
+                block = torch.empty(MiB)  # not served: the allocator the pool replaced
+                after = counts()
+                served = after.misses + after.hits + after.grown - now.misses - now.hits - now.grown
+                os.write(write, f"{now.cached_bytes} {int(_pool.installed())} {served}".encode())
+                del block
+                os._exit(0)
+            except BaseException:
+                os._exit(2)
+        os.close(write)
+        _, status = os.waitpid(pid, 0)
+        said = os.read(read, 100).decode()
+        os.close(read)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert said == "0 0 0"
+        assert counts().cached_bytes == 32 * MiB  # the parent's stay
+    finally:
+        lease.close()
+
+
+def test_pool_counts_a_failed_munmap_and_unmaps_the_block_at_a_later_try() -> None:
+    assert _pool.compiled is not None
+    lease = _pool.lease(0)
+    assert lease is not None
+    before = counts()
+    try:
+        block = torch.empty(MiB // 4)
+        _pool.compiled._fail_unmaps(1)
+        lease.close()
+        del block  # freed after the lease: its munmap fails
+        failed = counts()
+        assert failed.unmap_failures == before.unmap_failures + 1
+        assert failed.stuck_bytes == MiB and failed.live_bytes == before.live_bytes
+        assert failed.unmapped == before.unmapped
+        again = _pool.lease(0)
+        assert again is not None
+        block = torch.empty(MiB // 2)  # 2 MiB: a new mapping, not the stuck block
+        assert counts().misses == failed.misses + 1
+        again.close()
+        del block  # this unmap tries the stuck block again
+        after = counts()
+        assert after.stuck_bytes == 0 and after.unmap_failures == failed.unmap_failures
+        assert after.unmapped_bytes - before.unmapped_bytes == 3 * MiB
+    finally:
+        _pool.compiled._fail_unmaps(0)
+        lease.close()
+
+
+def test_pool_built_for_another_torch_is_not_used_and_says_so_once() -> None:
+    with pytest.warns(RuntimeWarning, match=r"built for torch .* but torch 2\.99\.0 runs") as said:
+        module, why = _pool.load(environ={}, torch_version="2.99.0")
+    assert module is None and len(said) == 1
+    assert why.startswith("built for torch ") and "2.99.0" in why
+
+
+def test_pool_is_off_under_tensorstash_pool_0_and_info_says_why() -> None:
+    module, why = _pool.load(environ={"TENSORSTASH_POOL": "0"})
+    assert module is None and "TENSORSTASH_POOL=0" in why
+    found = ts.info()
+    assert found.pool and found.pool_why == "active"
+    assert "session pool (tensorstash._alloc): active" in str(found)
+    assert "session pool on" in found.line() and "\n" not in found.line()
