@@ -163,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run each auto:<budget> beside a twin that never plans (a fresh Profile every "
         "step), to measure what its plan changes",
     )
+    run.add_argument(
+        "--compile",
+        action="store_true",
+        help="run every policy on the model compiled by torch.compile (inductor), beside the "
+        f"compiler's own activation memory budgets ({_escaped(bench.COMPILE_PEERS)}), under "
+        "deterministic algorithms; compile time is reported apart from step time",
+    )
     run.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON")
     run.add_argument(
         "--plot",
@@ -315,6 +322,7 @@ def _run(
             memory_snapshot=args.memory_snapshot is not None,
             twins=args.twins,
             device=args.device,
+            compile=args.compile,
         )
         for index in range(len(dtypes))
     )
@@ -334,6 +342,7 @@ def _run(
                 timeline=plot and index == 0,
                 memory_snapshot=args.memory_snapshot,
                 twins=args.twins,
+                compile=args.compile,
             )
     return rows
 
@@ -366,6 +375,7 @@ def _bench(args: argparse.Namespace) -> int:
             mine,
             threads=torch.get_num_threads(),
             warmup=args.warmup,
+            compiled=args.compile,
         )
         titles.append(heading)
         if index:
@@ -403,6 +413,7 @@ def _bench_loop(args: argparse.Namespace) -> int:
         "--plot": args.plot is not None,
         "--memory-snapshot": args.memory_snapshot is not None,
         "--twins": args.twins,
+        "--compile": args.compile,
         "--device cuda": args.device != "cpu",
     }
     named = [flag for flag, given in unsupported.items() if given]

@@ -5,6 +5,8 @@ The modules, each importing only those above it:
 - :mod:`~tensorstash.bench.model`: the embedded GPT-style model and its sizes;
 - :mod:`~tensorstash.bench.workloads`: what the bench trains (that model, an HF
   GPT-2); :mod:`~tensorstash.bench.script`: a user's model (``--model-script``);
+- :mod:`~tensorstash.bench.compiled`: NOTE [ Compiled runs ], ``--compile`` and the
+  compiler's own budgets (``compile:<b>``);
 - :mod:`~tensorstash.bench.variants`: the policies and peers the bench compares;
 - :mod:`~tensorstash._memory` (shared with the Profile): NOTE [ Real memory ], a step's
   real peak;
@@ -21,6 +23,7 @@ The modules, each importing only those above it:
 """
 
 from tensorstash._memory import CudaPeak, PeakRss, return_free_memory
+from tensorstash.bench.compiled import COMPILE_PEERS, COMPILE_PREFIX, compile_budget
 from tensorstash.bench.measure import DTYPES, StepResult, StepRunner, resolve_device, resolve_dtype
 from tensorstash.bench.model import (
     CONFIGS,
@@ -66,6 +69,8 @@ __all__ = [
     "ALL_POLICIES",
     "AUTO_PREFIX",
     "BASELINE",
+    "COMPILE_PEERS",
+    "COMPILE_PREFIX",
     "CONFIGS",
     "DEFAULT_POLICIES",
     "DTYPES",
@@ -95,6 +100,7 @@ __all__ = [
     "builtin_workload",
     "check_blocks",
     "check_memory_snapshot",
+    "compile_budget",
     "format_table",
     "format_title",
     "make_batch",

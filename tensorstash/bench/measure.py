@@ -16,8 +16,9 @@ from torch import Tensor
 
 import tensorstash as ts
 from tensorstash._memory import meter, return_free_memory
+from tensorstash.bench.compiled import CompiledForwards, graphs_compiled
 from tensorstash.bench.timeline import Timeline
-from tensorstash.bench.variants import BASELINE, variant_context
+from tensorstash.bench.variants import BASELINE, NO_PLAN, variant_context
 from tensorstash.bench.workloads import Workload, checked_loss, to_device
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -76,10 +77,14 @@ class StepResult:
     Attributes:
         seconds: forward and backward, wall clock.
         grads_equal: every gradient bitwise equal to the reference (rule 4).
+        grads_close: every gradient within float tolerance of it (a compiler that
+            recomputes fuses the recomputed ops its own way: NOTE [ Compiled runs ]).
         stats: the stash session's ``stats.to_dict()`` (None without a session).
         peak_bytes: the real peak growth over the step (NOTE [ Real memory ]).
         plan: the planner's prediction for the step, if it made one.
         timeline: memory over the step (``--plot``), if recorded.
+        graphs: the graphs torch.compile compiled during the step (NOTE [ Compiled
+            runs ] rule 5).
     """
 
     seconds: float
@@ -88,6 +93,8 @@ class StepResult:
     peak_bytes: int
     plan: PlanReading | None = None
     timeline: dict[str, Any] | None = None
+    graphs: int = 0
+    grads_close: bool = True
 
 
 class StepRunner:
@@ -98,10 +105,18 @@ class StepRunner:
         device: where it runs.
         dtype: float32, or bfloat16 for a forward under autocast (rule 10).
         seed: the RNG seed of every step (rule 2).
+        compile: run every variant on the compiled model (NOTE [ Compiled runs ]
+            in compiled.py); the ``compile:<b>`` peers run compiled either way.
     """
 
     def __init__(
-        self, workload: Workload, device: torch.device, dtype: torch.dtype, seed: int
+        self,
+        workload: Workload,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int,
+        *,
+        compile: bool = False,
     ) -> None:
         model = workload.model.to(device=device).train()
         self.workload = Workload(
@@ -113,6 +128,7 @@ class StepRunner:
             workload.library_model,
         )
         self.model = model
+        self.forwards = CompiledForwards(model, compile)
         self.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.batch = self.workload.batch
         self.device = device
@@ -141,13 +157,15 @@ class StepRunner:
         self._reset()
         return_free_memory(self.device)  # rule 3 of NOTE [ Real memory ]
         trace = Timeline(self.model, self.device) if timeline else None
+        forward = self.forwards(name.removesuffix(NO_PLAN))
+        graphs = graphs_compiled()
         with meter(self.device) as measured, trace or contextlib.nullcontext():
             start = time.perf_counter()
             with self.variant(name) as session:
                 if trace is not None:
                     trace.session = session
                 with self.autocast():
-                    loss = checked_loss(self.model(*self.batch), self.workload)
+                    loss = checked_loss(forward(*self.batch), self.workload)
                 if trace is not None:
                     trace.backward_starts()
                 loss.backward()
@@ -158,13 +176,16 @@ class StepRunner:
             if trace is not None:
                 trace.sample()
         self.session = session
+        equal = self._grads_equal()
         return StepResult(
             seconds,
-            self._grads_equal(),
+            equal,
             None if session is None else session.stats.to_dict(),
             measured.delta_bytes,
             read_plan(session),
             None if trace is None else trace.to_dict(),
+            graphs_compiled() - graphs,
+            equal or self._grads_equal(close=True),
         )
 
     def take_reference(self) -> None:
@@ -206,15 +227,21 @@ class StepRunner:
         self.model.zero_grad(set_to_none=True)
         torch.manual_seed(self.seed)
 
-    def _grads_equal(self) -> bool:
-        """Whether every parameter's gradient equals the reference bitwise."""
+    def _grads_equal(self, *, close: bool = False) -> bool:
+        """Whether every parameter's gradient equals the reference bitwise (or, with
+        ``close``, within float tolerance)."""
         grads = [p.grad for p in self.model.parameters()]
         if len(grads) != len(self.reference):
             return False
+        same = _close if close else torch.equal
         return all(
-            (g is None and r is None) or (g is not None and r is not None and torch.equal(g, r))
+            (g is None and r is None) or (g is not None and r is not None and same(g, r))
             for g, r in zip(grads, self.reference, strict=True)
         )
+
+
+def _close(a: Tensor, b: Tensor) -> bool:
+    return torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-6)
 
 
 def _grad_copy(parameter: Tensor) -> Tensor | None:

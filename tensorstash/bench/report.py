@@ -46,7 +46,7 @@ def _cells(row: Row) -> list[str]:
         _predicted(row.predicted_peak_bytes, row.peak_over_predicted, human_bytes),
         stash,
         "-" if row.compression_ratio is None else f"{row.compression_ratio:.2f}x",
-        "yes" if row.grads_equal else "NO",
+        "yes" if row.grads_equal else "close" if row.grads_close else "NO",
     ]
 
 
@@ -112,6 +112,20 @@ def _notes(rows: Sequence[Row]) -> list[str]:
         if row.plan_recompute:
             lines.append(f"{row.policy}: the plan recomputes {', '.join(row.plan_recompute)}")
     lines.extend(_learning(rows))
+    lines.extend(_compiles(rows))
+    return lines
+
+
+def _compiles(rows: Sequence[Row]) -> list[str]:
+    """Rule 5 of NOTE [ Compiled runs ]: compile time and graphs, apart from step time."""
+    compiled = [row for row in rows if row.skipped is None and row.graphs]
+    if not compiled:
+        return []
+    parts = [f"{row.policy} {row.graphs} in {row.compile_s or 0.0:.1f} s" for row in compiled]
+    lines = [f"graphs compiled (warm-up steps, time beyond a step): {', '.join(parts)}"]
+    looping = [f"{row.policy} {row.timed_graphs}" for row in compiled if row.timed_graphs]
+    if looping:
+        lines.append(f"compiled again in timed steps (a recompile loop): {', '.join(looping)}")
     return lines
 
 
@@ -143,7 +157,9 @@ def _legend(device: torch.device) -> list[str]:
         "    still in RAM waiting for the writer included); quiet n/m: n of the m timed steps",
         "    ran with no hooks (Auto's plan moved nothing) and counted nothing;",
         "    ratio: original / stored bytes moved",
-        "grads equal: bitwise equal to plain autograd on every parameter, every step",
+        "grads equal: bitwise equal to plain autograd on every parameter, every step (with",
+        "    --compile: to the compiled model alone); close: within float tolerance only, as",
+        "    a compiler that recomputes may fuse what it recomputes another way",
     ]
 
 
@@ -175,14 +191,17 @@ def format_title(
     *,
     threads: int,
     warmup: int,
+    compiled: bool = False,
 ) -> str:
-    """The line above a table: the model, the machine, the dtype, the allocator serving
-    ``malloc``, the activations, the rounds."""
+    """The line above a table: the model, compiled or not, the machine, the dtype, the
+    allocator serving ``malloc``, the activations, the rounds."""
     measured = [row for row in rows if row.skipped is None]
     rounds = len(measured[0].step_times) if measured else 0
     activations = next((row.activation_bytes for row in rows if row.activation_bytes), None)
     kind = torch.device(device).type
     parts = [description, f"{kind} {dtype_text(dtype)}", threads_text(threads)]
+    if compiled:
+        parts.insert(1, "torch.compile (inductor), deterministic algorithms")
     if kind == "cpu":
         parts.append(f"allocator {ALLOCATOR.name}")  # what the real peaks depend on (README)
     if activations is not None:

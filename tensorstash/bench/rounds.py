@@ -89,6 +89,7 @@ from pathlib import Path
 import torch
 
 from tensorstash._layout import without_fill
+from tensorstash.bench.compiled import COMPILE_PEERS, COMPILE_PREFIX, compiled_run
 from tensorstash.bench.measure import (
     DTYPES,
     StepResult,
@@ -128,10 +129,12 @@ def planned_steps(
     memory_snapshot: bool = False,
     twins: bool = False,
     device: str | torch.device = "cpu",
+    compile: bool = False,
 ) -> int:
     """How many steps :func:`run_bench` runs: reference, warm-up, timed and extra rounds,
     and up to ``LEARNING_ROUNDS`` rounds more while a planner learns (rule 3)."""
-    names = _runnable(resolve_policies(policies), torch.device(device))
+    requested = [*policies, *(COMPILE_PEERS if compile else ())]
+    names = _runnable(resolve_policies(requested), torch.device(device))
     extra = int(timeline) + int(memory_snapshot)
     twin_count = sum(len(group) - 1 for group in _groups(names, twins=twins))
     return 2 + len(names) * (warmup + steps + extra) + twin_count * (warmup + steps)
@@ -185,6 +188,7 @@ def run_bench(
     timeline: bool = False,
     memory_snapshot: str | Path | None = None,
     twins: bool = False,
+    compile: bool = False,
 ) -> list[Row]:
     """Train a model for a few steps under each variant and measure them.
 
@@ -209,6 +213,9 @@ def run_bench(
             ``<directory>/<policy>.pickle`` for https://pytorch.org/memory_viz
             (CUDA only).
         twins: run each ``auto:<budget>`` beside a twin that never plans (rule 6).
+        compile: run every variant on the model compiled by ``torch.compile``,
+            with the compiler's own memory budgets (``compile:<b>``) as peers
+            (NOTE [ Compiled runs ] in compiled.py).
 
     Returns:
         One :class:`Row` per variant, "none" first; optional peers that cannot
@@ -225,7 +232,7 @@ def run_bench(
         >>> for row in run_bench("tiny", ["lz4", "auto:50%"], steps=2):
         ...     print(row.policy, row.real_peak_bytes, row.overhead, row.grads_equal)
     """
-    names = resolve_policies(policies)
+    names = resolve_policies([*policies, *(COMPILE_PEERS if compile else ())])
     if steps < 1 or warmup < 0:
         raise ValueError(
             f"tensorstash bench: steps={steps}, warmup={warmup}; pass steps >= 1 "
@@ -237,8 +244,9 @@ def run_bench(
     if workload is None:
         workload = builtin_workload(config_name, seed)
     check_blocks(names, workload)
-    with _deterministic(resolved_device):
-        runner = StepRunner(workload, resolved_device, resolved_dtype, seed)
+    compiles = compile or any(name.startswith(COMPILE_PREFIX) for name in names)
+    with _deterministic(resolved_device), compiled_run(compiles):
+        runner = StepRunner(workload, resolved_device, resolved_dtype, seed, compile=compile)
         rounds = _Rounds(runner, names, steps, warmup, twins, progress)
         return rounds.run(timeline, memory_snapshot)
 
@@ -254,13 +262,15 @@ def run_sweep(
     progress: Progress | None = None,
     workload: Workload | None = None,
     timeline: bool = False,
+    compile: bool = False,
 ) -> list[Row]:
     """``tensorstash bench --sweep``: :func:`run_bench` in float32, then under bf16 autocast.
 
     Runs Auto at 25, 50 and 75% of the activation bytes beside none,
     checkpoint, recompute, save_on_cpu, cpu, lz4, disk and the default Auto,
     and on a GPU the optional peers (:data:`~tensorstash.bench.variants.SWEEP_POLICIES`).
-    ``timeline`` records the float32 run's timelines only.
+    ``timeline`` records the float32 run's timelines only; ``compile`` runs
+    both on the compiled model, beside the compiler's own budgets.
 
     Returns:
         The rows of both runs, float32 first (``Row.dtype`` tells them apart).
@@ -272,7 +282,7 @@ def run_sweep(
         rows += run_bench(
             config_name, policies, steps, device, dtype, seed,
             warmup=warmup, progress=progress, workload=workload,
-            timeline=timeline and index == 0,
+            timeline=timeline and index == 0, compile=compile,
         )  # fmt: skip
     return rows
 

@@ -36,6 +36,7 @@ class Row:
             of "none" in the same round.
         grads_equal: every step's gradients bitwise equal to plain autograd's
             (None for a skipped row: nothing was checked).
+        grads_close: every step's gradients within float tolerance of them.
         tiers: the stash's per-tier counters of the last step (None without a session).
         stash_peak_bytes: per tier, the most stored bytes the stash counted at
             once over the timed steps: what it counted, not what the process
@@ -70,6 +71,11 @@ class Row:
         warmup_steps: the untimed steps it ran before the timed ones: the
             warm-up rounds, and the rounds added while a planner learned
             (rule 3 of the NOTE).
+        graphs: the graphs torch.compile compiled in its steps, warm-up included
+            (NOTE [ Compiled runs ] rule 5 in compiled.py).
+        timed_graphs: those compiled in its timed steps (a recompile loop).
+        compile_s: the seconds its steps that compiled took beyond its median
+            timed step (None: none compiled).
     """
 
     policy: str
@@ -98,6 +104,10 @@ class Row:
     skipped: str | None = None
     timeline: dict[str, Any] | None = None
     warmup_steps: int = 0
+    graphs: int = 0
+    timed_graphs: int = 0
+    compile_s: float | None = None
+    grads_close: bool | None = None
 
     @classmethod
     def skip(cls, policy: str, dtype: str, reason: str) -> Row:
@@ -216,6 +226,7 @@ def summarize(
         real_peak_bytes=int(statistics.median(peaks)),
         peak_vs_none=same_round_median(peaks, [r.peak_bytes for r in baseline]),
         grads_equal=all(r.grads_equal for r in (*checked, *steps)),
+        grads_close=all(r.grads_close for r in (*checked, *steps)),
         tiers=None if last is None else last["tiers"],
         stash_peak_bytes=_stash_peaks(steps),
         quiet_steps=sum(1 for r in steps if _quiet(r)),
@@ -229,7 +240,16 @@ def summarize(
         peak_over_predicted=_median_of(m / p for m, p in peak_plans),
         plan_recompute=plans[-1][1].recompute if plans else (),
         warmup_steps=len(checked),
+        graphs=sum(r.graphs for r in (*checked, *steps)),
+        timed_graphs=sum(r.graphs for r in steps),
+        compile_s=_compile_seconds([*checked, *steps], statistics.median(times)),
     )
+
+
+def _compile_seconds(steps: list[StepResult], step_s: float) -> float | None:
+    """Rule 5 of NOTE [ Compiled runs ]: what the steps that compiled took beyond a step."""
+    compiling = [r.seconds for r in steps if r.graphs]
+    return sum(max(0.0, s - step_s) for s in compiling) if compiling else None
 
 
 def _stash_peaks(steps: list[StepResult]) -> dict[str, int] | None:

@@ -10,7 +10,9 @@ A variant is a name; :func:`variant_context` runs a region under it. Names:
   the eligible bytes one step saves (see :func:`budget_bytes`);
 - the peers: "save_on_cpu" and "checkpoint" (torch's, or the model's own), and
   on a GPU the hook-based offloaders of torchtune and TRL, optional rows that
-  are skipped, with the reason, where they cannot run (:func:`skip_reason`).
+  are skipped, with the reason, where they cannot run (:func:`skip_reason`);
+- ``compile:<b>``: the model compiled with the partitioner's activation memory
+  budget ``b``, no stash (NOTE [ Compiled runs ] in compiled.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 
 import tensorstash as ts
 from tensorstash.auto import parse_bytes
+from tensorstash.bench.compiled import COMPILE_PREFIX, compile_budget
 from tensorstash.bench.workloads import Workload
 
 # Policies handed to ts.stash, by bench name; factories so each step gets a fresh value.
@@ -113,6 +116,12 @@ def budget_bytes(name: str, activation_bytes: int | None) -> int | None:
 
 
 def _is_policy(name: str) -> bool:
+    if name.startswith(COMPILE_PREFIX):
+        try:
+            compile_budget(name)
+        except ValueError:
+            return False
+        return True
     if name.startswith(AUTO_PREFIX):
         try:
             budget_bytes(name, 0)
@@ -144,9 +153,10 @@ def resolve_policies(names: Sequence[str]) -> list[str]:
     if unknown:
         raise ValueError(
             f"tensorstash bench: unknown policy {unknown[0]!r}; valid policies are "
-            f"{', '.join((*ALL_POLICIES, *OPTIONAL_PEERS))} and auto:<budget> (bytes such "
-            "as auto:8MiB, or a share of the activation bytes such as auto:50%); pass "
-            "several comma-separated, e.g. --policies none,lz4"
+            f"{', '.join((*ALL_POLICIES, *OPTIONAL_PEERS))}, auto:<budget> (bytes such "
+            "as auto:8MiB, or a share of the activation bytes such as auto:50%) and "
+            "compile:<b> (the model compiled with the partitioner's memory budget b, from 0 "
+            "to 1, such as compile:0.5); pass several comma-separated, e.g. --policies none,lz4"
         )
     resolved = [BASELINE]
     resolved.extend(name for name in dict.fromkeys(names) if name != BASELINE)
@@ -249,7 +259,7 @@ def variant_context(
             profile = ts.Profile()
         else:
             profile = profiles.setdefault(name, ts.Profile())
-    if name == BASELINE:
+    if name == BASELINE or name.startswith(COMPILE_PREFIX):
         yield None
     elif name == "save_on_cpu":
         with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):

@@ -1,0 +1,138 @@
+"""``tensorstash bench --compile``: variants on a compiled model, the compiler's budgets as peers.
+
+# NOTE [ Compiled runs ]
+1. With ``--compile`` every variant runs the model through ``torch.compile``
+   (inductor): "none" is the compiled model alone, the baseline every ratio
+   is taken against, and a stash or a peer runs around the same compiled
+   model, as a user who compiles would run it.
+2. The compiler's own means are peers: ``compile:<b>`` runs the model
+   compiled with the partitioner's activation memory budget ``b``
+   (``torch._functorch.config.activation_memory_budget``: 1.0 is the default
+   partitioner, 0 recomputes all it can). Each has a backend of its own that
+   sets the budget while it compiles: dynamo guards on the backend, not on
+   functorch settings, so variants sharing one backend would share the first
+   graphs compiled, whatever the setting was then. The peers run in any
+   bench, ``--compile`` or not.
+3. Compiled code is compared under ``torch.use_deterministic_algorithms``:
+   inductor's CPU kernels otherwise scatter-add with atomics, and a tied
+   embedding's gradient then differs by an ulp from run to run, with or
+   without a stash.
+4. The variants share one model, so their graphs hang off the same code
+   objects: the recompile limit is raised for the run, so that no variant
+   silently falls back to eager.
+5. Compiling is not stepping. A step that compiled a graph is a warm-up
+   step; its time beyond the variant's median timed step is counted as
+   compile time, apart from step time, and the graphs each variant compiled
+   are counted, those in timed steps (a recompile loop) apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+COMPILE_PREFIX = "compile:"
+"""``compile:<b>`` runs the model compiled with the partitioner's memory budget ``b`` (rule 2)."""
+COMPILE_PEERS: tuple[str, ...] = (
+    "compile:1.0", "compile:0.5", "compile:0.25", "compile:0.1", "compile:0",
+)  # fmt: skip
+"""The compiler's own budgets that ``--compile`` runs beside the variants."""
+RECOMPILE_LIMIT = 64
+"""Graphs kept per code object during a compiled run (rule 4)."""
+
+
+def compile_budget(name: str) -> float | None:
+    """The partitioner's budget of a ``compile:<b>`` name (None for other names).
+
+    Raises:
+        ValueError: a ``compile:`` name whose budget is not a number in [0, 1].
+    """
+    if not name.startswith(COMPILE_PREFIX):
+        return None
+    spec = name.removeprefix(COMPILE_PREFIX)
+    try:
+        budget = float(spec)
+    except ValueError:
+        budget = -1.0
+    if not 0.0 <= budget <= 1.0:
+        raise ValueError(
+            f"tensorstash bench: {name!r}: the compiler's activation memory budget is a "
+            f"number from 0 (recompute all it can) to 1 (the default partitioner), e.g. "
+            f"compile:0.5; got {spec!r}"
+        )
+    return budget
+
+
+def budget_backend(budget: float) -> Callable[..., Any]:
+    """Inductor with the partitioner's memory budget set while it compiles (rule 2)."""
+    import torch._functorch.config as functorch_config
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        with functorch_config.patch(activation_memory_budget=budget):
+            return compile_fx(graph, example_inputs)
+
+    return backend
+
+
+def graphs_compiled() -> int:
+    """How many graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class CompiledForwards:
+    """The forward each variant calls: the model, or its compiled forms (rules 1 and 2).
+
+    Args:
+        model: the model; its compiled forms share its parameters.
+        compile: run every variant but the ``compile:<b>`` peers on
+            ``torch.compile(model)``.
+    """
+
+    def __init__(self, model: nn.Module, compile: bool) -> None:
+        self.model = model
+        self.compile = compile
+        self._made: dict[str, Callable[..., Any]] = {}
+
+    def __call__(self, name: str) -> Callable[..., Any]:
+        """The callable variant ``name``'s forward runs."""
+        budget = compile_budget(name)
+        key = name if budget is not None else "compiled" if self.compile else "eager"
+        made = self._made.get(key)
+        if made is None:
+            if budget is not None:
+                made = torch.compile(self.model, backend=budget_backend(budget))
+            elif self.compile:
+                made = torch.compile(self.model)
+            else:
+                made = self.model
+            self._made[key] = made
+        return made
+
+    @property
+    def any_compiled(self) -> bool:
+        """Whether some variant runs compiled code (rules 3 and 4 apply)."""
+        return self.compile or any(key != "eager" for key in self._made)
+
+
+@contextlib.contextmanager
+def compiled_run(active: bool) -> Iterator[None]:
+    """Rules 3 and 4 for the run: deterministic algorithms, a raised recompile limit."""
+    if not active:
+        yield
+        return
+    import torch._dynamo
+
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with torch._dynamo.config.patch(cache_size_limit=RECOMPILE_LIMIT):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(before)

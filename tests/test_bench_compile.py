@@ -1,0 +1,137 @@
+"""``tensorstash bench --compile``: every variant on the compiled model, the compiler's budgets
+as peers (NOTE [ Compiled runs ] in tensorstash/bench/compiled.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tensorstash import bench, cli
+from tensorstash.bench.compiled import CompiledForwards, compile_budget
+
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.skipif(
+        not torch._dynamo.is_dynamo_supported(), reason="torch.compile is not supported here"
+    ),
+]
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(64, 256)
+        self.down = nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(_Block(), _Block())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x).square().mean()
+
+
+def _workload() -> bench.Workload:
+    torch.manual_seed(0)
+    return bench.Workload(_Model(), (torch.randn(32, 64, 64),), _Block, "a two-block MLP")
+
+
+def test_compile_budget_reads_the_partitioners_budget() -> None:
+    assert compile_budget("compile:0.25") == 0.25
+    assert compile_budget("compile:0") == 0.0
+    assert compile_budget("auto:50%") is None
+    with pytest.raises(ValueError, match=r"from 0 .* to 1 .*got '1.5'"):
+        compile_budget("compile:1.5")
+    with pytest.raises(ValueError, match="got 'half'"):
+        compile_budget("compile:half")
+
+
+def test_compile_names_are_bench_policies_and_bad_ones_are_refused() -> None:
+    assert bench.resolve_policies(["compile:0.5"]) == ["none", "compile:0.5"]
+    with pytest.raises(ValueError, match="compile:<b>"):
+        bench.resolve_policies(["compile:2"])
+
+
+def test_compiled_forwards_share_one_compiled_model_and_one_per_budget() -> None:
+    model = _Model()
+    forwards = CompiledForwards(model, compile=True)
+    assert forwards("none") is forwards("auto:50%") is forwards("keep")
+    assert forwards("compile:0.5") is forwards("compile:0.5")
+    assert forwards("compile:0.5") is not forwards("compile:0.1") is not forwards("none")
+    eager = CompiledForwards(model, compile=False)
+    assert eager("none") is model and eager("compile:0.5") is not model
+
+
+@pytest.fixture(scope="module")
+def compiled_rows() -> dict[str, bench.Row]:
+    rows = bench.run_bench(
+        policies=["none", "keep", "checkpoint", "auto"],
+        steps=2,
+        warmup=2,
+        workload=_workload(),
+        compile=True,
+    )
+    return {row.policy: row for row in rows}
+
+
+def test_bench_compile_runs_the_compilers_budgets_beside_the_variants(
+    compiled_rows: dict[str, bench.Row],
+) -> None:
+    assert list(compiled_rows) == ["none", "keep", "checkpoint", "auto", *bench.COMPILE_PEERS]
+    assert all(row.skipped is None for row in compiled_rows.values())
+
+
+def test_bench_compile_grads_equal_the_compiled_model_alone(
+    compiled_rows: dict[str, bench.Row],
+) -> None:
+    """Lossless variants around the compiled model: bitwise; the compiler's own budgets
+    recompute and may fuse another way, so they are held within float tolerance."""
+    for name in ("none", "keep", "auto", "compile:1.0"):
+        assert compiled_rows[name].grads_equal, name
+    for name in bench.COMPILE_PEERS:
+        assert compiled_rows[name].grads_close, name
+
+
+def test_bench_compile_counts_graphs_apart_from_the_timed_steps(
+    compiled_rows: dict[str, bench.Row],
+) -> None:
+    """Rule 5: each budget compiles its own graphs in warm-up; no timed step compiles."""
+    for name in bench.COMPILE_PEERS:
+        row = compiled_rows[name]
+        assert row.graphs >= 1 and row.compile_s is not None, name
+    assert all(row.timed_graphs == 0 for row in compiled_rows.values())
+    table = bench.format_table(list(compiled_rows.values()))
+    assert "graphs compiled (warm-up steps, time beyond a step): " in table
+    assert "recompile loop" not in table
+
+
+def test_bench_compile_rows_reach_the_json(
+    compiled_rows: dict[str, bench.Row], tmp_path: Path
+) -> None:
+    data: list[dict[str, Any]] = json.loads(
+        json.dumps([row.to_dict() for row in compiled_rows.values()])
+    )
+    peer = next(row for row in data if row["policy"] == "compile:0.5")
+    assert {"graphs", "timed_graphs", "compile_s", "grads_close"} <= set(peer)
+    assert bench.Row.from_dict(peer) == compiled_rows["compile:0.5"]
+
+
+def test_bench_compile_title_says_compiled() -> None:
+    title = bench.format_title("m", "cpu", "float32", [], threads=1, warmup=2, compiled=True)
+    assert "torch.compile (inductor), deterministic algorithms" in title
+
+
+def test_bench_compile_with_loop_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--model", "tiny", "--compile", "--loop", "8"])
+    assert "leave out --compile" in capsys.readouterr().err
