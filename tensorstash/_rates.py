@@ -191,8 +191,13 @@ def _probe_regions(device: torch.device) -> tuple[float, float]:
         region = timed(lambda: checkpoint(chain, x, n, use_reentrant=False).backward())
         return region - plain - forward
 
-    # Outside any session's hooks: the probe's tensors are no step's.
-    with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+    # Outside any session's hooks: the probe's tensors are no step's. With grad on: a plan
+    # can be made while a compiled graph's forward saves its tensors, where grad is off.
+    with (
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        torch.autograd.graph.saved_tensors_hooks(_same, _same),
+    ):
         extra(SHORT_REGION)  # the first run of checkpointing imports what it needs
         short = statistics.median(extra(SHORT_REGION) for _ in range(REGION_ROUNDS))
         long = statistics.median(extra(LONG_REGION) for _ in range(REGION_ROUNDS))

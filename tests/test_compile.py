@@ -122,3 +122,37 @@ def test_auto_quiet_steps_run_a_compiled_model_without_compiling_it_again() -> N
     # sessions open quiet; none of them compiles the model again.
     assert [s.stats.quiet for s in sessions] == [0, 0, 0, 1, 1, 1, 1, 1]
     assert frames[3:] == [frames[3]] * 5, frames
+
+
+def test_auto_plans_around_a_compiled_function_whose_forward_runs_with_grad_off() -> None:
+    """A plan is made while the compiled graph's forward saves its tensors, with grad off
+    there: the probe of a recomputed region's cost must not inherit that (it raised
+    "element 0 of tensors does not require grad")."""
+    from tensorstash import _rates
+
+    model = _model()
+    fn = torch.compile(lambda x: model(x).square().mean(), backend="aot_eager")
+    x = torch.randn(16, 32, 64)
+
+    def grads() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        loss = fn(x)
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    _rates._regions.clear()  # probe again, from inside the compiled forward
+    try:
+        reference = grads()
+        profile = ts.Profile()
+        for _ in range(4):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            with ts.stash(ts.Auto(device_budget=64 << 10), profile=profile) as session:
+                loss = fn(x)
+            loss.backward()
+            got = [p.grad for p in model.parameters() if p.grad is not None]
+            assert all(torch.equal(a, b) for a, b in zip(got, reference, strict=True))
+        assert session.plan is not None
+    finally:
+        torch._dynamo.reset()
