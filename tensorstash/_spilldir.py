@@ -1,6 +1,6 @@
 """The private spill directory: checks, creation, cleanup.
 
-Rules 1, 2 and 7 of NOTE [ Spill files ] in disk.py.
+Rules 1, 2 and 8 of NOTE [ Spill files ] in disk.py.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import stat
 import tempfile
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -172,7 +173,7 @@ def warn_if_ram_backed(
 
 
 def _stale(entry: os.DirEntry[str], uid: int) -> bool:
-    """A spill directory of ours whose process is provably gone (rule 7)."""
+    """A spill directory of ours whose process is provably gone (rule 8)."""
     parts = entry.name[len(PREFIX) :].split("-", 1)
     if len(parts) != 2 or not parts[0].isdigit():
         return False
@@ -202,7 +203,11 @@ def remove_stale(parent: Path) -> list[str]:
 
 
 class SpillDirectory:
-    """This process's private spill directory inside one parent (rules 1, 2 and 7).
+    """This process's private spill directory inside one parent (rules 1, 2 and 8).
+
+    It lives while something holds it: a policy (:func:`hold`), a spill file
+    made in it. When the last holder lets go, or at exit, the directory is
+    removed and its descriptor closed.
 
     Raises:
         ValueError: the parent is unusable, or no directory can be made in it.
@@ -215,11 +220,14 @@ class SpillDirectory:
             self.path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent))
         except OSError as error:
             raise cannot_hold(parent, error) from None
+        self.parent = parent
         os.chmod(self.path, 0o700)
         self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        self.pid = os.getpid()  # a forked child inherits this object but must not touch it
+        self.pid = os.getpid()  # a forked child inherits this object but must not remove it
         self._count = 0
         self._lock = threading.Lock()
+        # Rule 8: run when the last holder lets go, by ``close``, or at exit.
+        self._remove = weakref.finalize(self, _remove, self.path, self.fd, self.pid)
 
     def new_name(self) -> str:
         with self._lock:
@@ -254,46 +262,108 @@ class SpillDirectory:
             raise
         return fd
 
-    def __del__(self) -> None:
-        # A directory replaced after it was deleted from outside (spill_directory)
-        # is freed with the last spilled value that used it: close its descriptor.
-        fd = getattr(self, "fd", -1)
-        if fd >= 0:
-            self.fd = -1
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
     def close(self) -> None:
-        """Remove the directory and everything in it (in the process that made it)."""
-        if self.pid != os.getpid():
-            return
+        """Remove the directory and everything in it now (at exit), whoever holds it.
+
+        Only the process that made it removes it; any process closes its descriptor.
+        """
         with self._lock:
-            shutil.rmtree(self.path, ignore_errors=True)
-            if self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
+            self._remove()
+            self.fd = -1
 
 
-_directories: dict[Path, SpillDirectory] = {}
+def _remove(path: Path, fd: int, pid: int) -> None:
+    """A spill directory's end (rule 8): removed by the process that made it, if the
+    path still names it (one deleted from outside may have been replaced), and its
+    descriptor closed. Holds no reference to the directory object: it runs as that
+    object is freed, on whichever thread let go of it last."""
+    try:
+        if os.getpid() == pid and _names(path, fd):
+            shutil.rmtree(path, ignore_errors=True)
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether ``path`` is the directory open as ``fd`` (not a symlink, not a replacement)."""
+    try:
+        named, opened = os.stat(path, follow_symlinks=False), os.fstat(fd)
+    except OSError:
+        return False
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
+
+
+# Each directory by the parent it was asked for, and by its real path; an entry goes
+# when its directory does.
+_directories: weakref.WeakValueDictionary[Path, SpillDirectory] = weakref.WeakValueDictionary()
 _directories_lock = threading.Lock()
 
 
+class _Slot:
+    """What policies hold in one parent: its current directory (rule 8). A directory
+    deleted from outside is replaced here, so its holders let go of the old one."""
+
+    __slots__ = ("__weakref__", "directory")
+
+    def __init__(self, directory: SpillDirectory) -> None:
+        self.directory = directory
+
+
+# The slot of each real parent path while a policy holds it.
+_slots: weakref.WeakValueDictionary[Path, _Slot] = weakref.WeakValueDictionary()
+
+
 def spill_directory(parent: Path) -> SpillDirectory:
-    """The process-wide private directory inside ``parent``, made on first use."""
+    """The process's private directory inside ``parent``: the one alive, else a new one.
+
+    The caller holds it for as long as it uses it (rule 8).
+    """
     with _directories_lock:
-        found = _directories.get(parent)
+        return _current(parent)
+
+
+def _current(parent: Path) -> SpillDirectory:
+    """:func:`spill_directory`, under its lock."""
+    found = _directories.get(parent)
+    if found is None or found.pid != os.getpid() or not found.path.is_dir():
+        key = parent.resolve()
+        found = _directories.get(key)
         if found is None or found.pid != os.getpid() or not found.path.is_dir():
-            key = parent.resolve()
-            found = _directories.get(key)
-            if found is None or found.pid != os.getpid() or not found.path.is_dir():
-                found = _directories[key] = SpillDirectory(key)
-            _directories[parent] = found
-        return found
+            found = _directories[key] = SpillDirectory(key)
+            slot = _slots.get(key)
+            if slot is not None:
+                slot.directory = found  # its holders let go of the one replaced
+        _directories[parent] = found
+    return found
+
+
+# The slots held for owners (a DiskSpill that spilled), by ``id(owner)`` and real
+# parent path; an owner's entry goes when it is freed. By identity: equal policies
+# are not one holder.
+_held: dict[int, dict[Path, _Slot]] = {}
+
+
+def hold(owner: object, parent: Path) -> SpillDirectory:
+    """The private directory inside ``parent`` (:func:`spill_directory`), and the one
+    that replaces it there, kept while ``owner`` lives (rule 8)."""
+    with _directories_lock:
+        directory = _current(parent)
+        slot = _slots.get(directory.parent)
+        if slot is None:
+            slot = _slots[directory.parent] = _Slot(directory)
+    key = id(owner)
+    fresh: dict[Path, _Slot] = {}
+    held = _held.setdefault(key, fresh)  # one step under the GIL: no lock a finalizer needs
+    if held is fresh:
+        weakref.finalize(owner, _held.pop, key, None).atexit = False
+    held[directory.parent] = slot
+    return directory
 
 
 @atexit.register
 def remove_directories() -> None:
-    """Remove every spill directory this process made (at exit, rule 7)."""
+    """Remove every spill directory this process made and still holds (at exit, rule 8)."""
     with _directories_lock:
         for directory in set(_directories.values()):
             directory.close()
@@ -301,9 +371,12 @@ def remove_directories() -> None:
 
 
 def _forget_inherited() -> None:
-    """In a forked child: the directories belong to the parent; start with none."""
+    """In a forked child: the directories belong to the parent; start with none. The
+    child's copies of their descriptors close as the inherited objects are freed."""
     global _directories_lock
     _directories.clear()
+    _slots.clear()
+    _held.clear()
     _directories_lock = threading.Lock()  # another thread may have held it at the fork
 
 
