@@ -101,10 +101,13 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
             subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
-def test_a_full_tmpfs_can_be_unmounted_once_its_policy_is_gone(small_tmpfs: Path) -> None:
+@pytest.mark.parametrize("background", [True, False], ids=["writer", "inline"])
+def test_a_full_tmpfs_can_be_unmounted_once_its_policy_is_gone(
+    small_tmpfs: Path, background: bool
+) -> None:
     model = net()
     expected = grads_of(model, [batch()], loss)
-    policy = ts.DiskSpill(small_tmpfs)
+    policy = ts.DiskSpill(small_tmpfs, background=background)
     session = ts.stash(policy, min_bytes=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
