@@ -144,8 +144,8 @@ def load(
         module = importlib.import_module(name)
     except ModuleNotFoundError:
         return None, (
-            "not built: no C++ compiler, or no torch, where tensorstash was installed; "
-            "install torch first, then `pip install --force-reinstall --no-deps tensorstash`"
+            "not built: no C++ compiler, or no torch, where tensorstash was installed; install "
+            "torch first, then `pip install --no-cache-dir --force-reinstall --no-deps tensorstash`"
         )
     except Exception as error:  # any failure to load means no pool (rule 5)
         return None, _warned(f"failed to load ({type(error).__name__}: {error})")
@@ -161,8 +161,8 @@ def load(
 def _warned(why: str) -> str:
     warnings.warn(
         f"tensorstash: the session pool is off: {why}; sessions trim the heap instead. "
-        "Rebuild it against the torch installed: `pip install --no-build-isolation "
-        "--force-reinstall --no-deps tensorstash` (or set TENSORSTASH_POOL=0 to silence this)",
+        "Rebuild it against the torch installed: `pip install --no-cache-dir --force-reinstall "
+        "--no-deps tensorstash` (or set TENSORSTASH_POOL=0 to silence this)",
         RuntimeWarning,
         stacklevel=3,
     )
