@@ -105,7 +105,7 @@ using Blocks = std::vector<std::pair<void*, size_t>>;
 class Pool final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
-    c10::Allocator* before = before_.load(std::memory_order_acquire);
+    c10::Allocator* before = replaced();
     if (nbytes < least_.load(std::memory_order_relaxed) ||
         !serving_.load(std::memory_order_acquire) || !still_current()) {
       return before->allocate(nbytes);
@@ -155,7 +155,8 @@ class Pool final : public c10::Allocator {
       state_ = kOtherBefore;
       return state_;
     }
-    before_.store(current, std::memory_order_release);
+    before_.store(current, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // before_ is seen before the pool
     c10::SetCPUAllocator(this, /*priority=*/0);  // a no-op under a higher priority's
     state_ = c10::GetCPUAllocator() == this ? kInstalled : kRefused;
     return state_;
@@ -255,6 +256,14 @@ class Pool final : public c10::Allocator {
 
  private:
   using Waiting = std::list<std::pair<size_t, void*>>;  // oldest first
+
+  // The allocator the pool replaced. It is c10's default (install), so where a
+  // thread could see the pool before `before_` (c10 publishes the pool with a plain
+  // store), the default is the right answer too.
+  c10::Allocator* replaced() const {
+    c10::Allocator* before = before_.load(std::memory_order_acquire);
+    return before != nullptr ? before : c10::GetDefaultCPUAllocator();
+  }
 
   // Whether the pool is still PyTorch's CPU allocator; where another library
   // installed its own since, the pool stops serving for good (rule 4).
@@ -392,7 +401,7 @@ class Pool final : public c10::Allocator {
     // request under `least`, or one made between leases), given back through the
     // pool's raw_deleter. A block in `sizes_` was mapped before it was handed
     // out, so `mapped_` counted it before its free could start.
-    before_.load(std::memory_order_acquire)->raw_deleter()(block);
+    replaced()->raw_deleter()(block);
   }
 
   // Under the lock: the oldest block waiting leaves the pool for good.
