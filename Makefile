@@ -1,12 +1,15 @@
 # The two commands of the README: `make bench` (the main job) and `make test`.
 # Each makes .venv with torch pinned (constraints.txt) and installs what it needs.
+# `make test` leaves out the tests marked slow (subprocess, multi-rank, soak and
+# pure-Python reruns, and the slow cases of wide parametrizations);
+# `make test-all` (what CI runs) runs every test.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 BENCH_ARGS ?=
 
-.PHONY: bench test lint types check install clean
+.PHONY: bench test test-all lint types check install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +28,9 @@ bench: install
 	$(BIN)/tensorstash bench --json bench-out/bench.json --plot bench-out/bench.png $(BENCH_ARGS)
 
 test: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-all: install
 	$(BIN)/python -m pytest -q
 
 lint: install

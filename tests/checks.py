@@ -238,6 +238,28 @@ def policy_params() -> list[Any]:
     return [pytest.param(spec, id=spec.id) for spec in POLICY_SPECS]
 
 
+FAST_POLICY, FAST_MODEL = "cpu+lz4+disk", "transformer"
+"""The pairs of :func:`model_policy_params` that ``make test`` runs: every model under the
+chain through all three tiers, and every policy on the model that saves the most kinds of
+tensor; ``make test-all`` runs the rest."""
+
+
+def model_policy_params(models: Sequence[str]) -> list[Any]:
+    """``pytest.param(name, spec)`` for every model under every policy, for
+    ``parametrize(("name", "spec"), ...)``: the pairs beside ``FAST_POLICY`` and
+    ``FAST_MODEL`` are marked slow."""
+    return [
+        pytest.param(
+            name,
+            spec,
+            id=f"{spec.id}-{name}",
+            marks=() if spec.id == FAST_POLICY or name == FAST_MODEL else pytest.mark.slow,
+        )
+        for spec in POLICY_SPECS
+        for name in models
+    ]
+
+
 def tier_counts(session: Any) -> dict[str, int]:
     """Tensors counted in each tier of a session's stats."""
     tiers = session.stats.to_dict()["tiers"]

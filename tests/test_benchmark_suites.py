@@ -14,6 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each suite and benchmark is a new Python process
+
 ROOT = Path(__file__).resolve().parent.parent
 SUITES = ["benchmarks/test_step.py", "benchmarks/test_throughput.py", "benchmarks/test_hooks.py"]
 

@@ -41,6 +41,8 @@ pytestmark = pytest.mark.skipif(
     reason="torch.distributed with the gloo backend is not available",
 )
 
+multi_rank = pytest.mark.slow
+"""The mark of the tests that read the job of 2 spawned ranks (``make test-all`` runs them)."""
 WORLD = 2
 STEPS = 2
 TIMEOUT_S = 240
@@ -231,6 +233,7 @@ def _mode(job: tuple[list[dict[str, Any]], Path], mode: str) -> list[dict[str, A
 # -- gradients -----------------------------------------------------------------------
 
 
+@multi_rank
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("mode", MODES)
 def test_distributed_grads_equal_plain_autograd(
@@ -245,6 +248,7 @@ def test_distributed_grads_equal_plain_autograd(
                 raise AssertionError(f"rank {rank}, step {step}: {error}") from None
 
 
+@multi_rank
 @pytest.mark.parametrize("mode", MODES)
 def test_distributed_quiet_steps_equal_plain_autograd(
     job: tuple[list[dict[str, Any]], Path], mode: str
@@ -260,6 +264,7 @@ def test_distributed_quiet_steps_equal_plain_autograd(
                 raise AssertionError(f"rank {rank}, step {step}: {error}") from None
 
 
+@multi_rank
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("mode", MODES)
 def test_distributed_policy_packs(
@@ -274,6 +279,7 @@ def test_distributed_policy_packs(
             assert all(v == 0 for v in live.values()), f"live bytes after backward: {live}"
 
 
+@multi_rank
 @pytest.mark.parametrize("mode", MODES)
 def test_distributed_plan_recomputes_on_each_rank(
     job: tuple[list[dict[str, Any]], Path], mode: str
@@ -283,6 +289,7 @@ def test_distributed_plan_recomputes_on_each_rank(
         assert plans[0] is None and plans[-1], f"rank {rank}: plans {plans}"
 
 
+@multi_rank
 def test_distributed_spill_files_removed(job: tuple[list[dict[str, Any]], Path]) -> None:
     assert files_under([job[1] / "spill"]) == []
 
@@ -290,6 +297,7 @@ def test_distributed_spill_files_removed(job: tuple[list[dict[str, Any]], Path])
 # -- parameters are never offloaded ---------------------------------------------------
 
 
+@multi_rank
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("mode", MODES)
 def test_distributed_parameters_kept(
@@ -311,6 +319,7 @@ def test_distributed_parameters_kept(
             assert not missing, f"rank {rank}, step {step}: not seen as parameters: {missing}"
 
 
+@multi_rank
 @pytest.mark.parametrize("mode", MODES)
 def test_distributed_parameter_storage_never_offered(
     job: tuple[list[dict[str, Any]], Path], mode: str
@@ -322,6 +331,7 @@ def test_distributed_parameter_storage_never_offered(
 # -- gathered stats --------------------------------------------------------------------
 
 
+@multi_rank
 def test_gather_stats_on_rank_zero(job: tuple[list[dict[str, Any]], Path]) -> None:
     first, second = (rank["gather"] for rank in job[0])
     assert second["gathered"] is None, "gather_stats returned stats on a rank other than dst"
@@ -335,6 +345,7 @@ def test_gather_stats_on_rank_zero(job: tuple[list[dict[str, Any]], Path]) -> No
     assert "tier" in first["table"] and "all 2 ranks" in first["table"]
 
 
+@multi_rank
 def test_gather_stats_dst_and_session(job: tuple[list[dict[str, Any]], Path]) -> None:
     assert [rank["gather"]["via_session"] for rank in job[0]] == [False, True]
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each example is a new Python process
+
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
 NEEDS = {"lightning_callback": ("lightning",), "hf_trainer": ("transformers", "accelerate")}
 """The optional extras an example needs; without them it is skipped."""

@@ -27,6 +27,7 @@ from tensorstash import _fastpath
 
 compiled = _fastpath.compiled
 needs_c = pytest.mark.skipif(compiled is None, reason="the C extension is not built")
+slow = pytest.mark.slow
 ROOT = Path(__file__).parent.parent
 stash = importlib.import_module("tensorstash.stash")  # the module, not the function
 
@@ -73,9 +74,24 @@ def test_sessions_push_c_hooks_unless_they_need_python() -> None:
     assert top_saved_tensors_hooks() is None
 
 
-@pytest.mark.parametrize("name", list(ZOO))
-@pytest.mark.parametrize("policy", ["keep", "auto", "lz4"])
-@pytest.mark.parametrize("min_bytes", [0, 4096])
+def _match_params() -> list[Any]:
+    """Every model, policy and ``min_bytes``; ``make test`` runs every model at ("keep", 0)
+    and every policy and ``min_bytes`` on the transformer, ``make test-all`` the rest."""
+    return [
+        pytest.param(
+            min_bytes,
+            policy,
+            name,
+            id=f"{min_bytes}-{policy}-{name}",
+            marks=() if name == "transformer" or (policy, min_bytes) == ("keep", 0) else slow,
+        )
+        for min_bytes in (0, 4096)
+        for policy in ("keep", "auto", "lz4")
+        for name in ZOO
+    ]
+
+
+@pytest.mark.parametrize(("min_bytes", "policy", "name"), _match_params())
 def test_hooks_match_in_grads_and_counts(name: str, policy: str, min_bytes: int) -> None:
     expected = run_case(ZOO[name]())
     counts = {}
@@ -160,6 +176,7 @@ def test_pause_pushes_back_the_hooks_it_popped(hooks: str) -> None:
         assert top_saved_tensors_hooks() == before
 
 
+@pytest.mark.slow  # a new Python process
 def test_pure_python_env_turns_the_extension_off() -> None:
     code = (
         "import importlib; f = importlib.import_module('tensorstash._fastpath'); "

@@ -521,6 +521,7 @@ def sleeper() -> Iterator[int]:
     child.wait()
 
 
+@pytest.mark.slow  # two new Python processes
 def test_killed_process_spill_directory_removed_by_next_process(
     tmp_path: Path, sleeper: int
 ) -> None:

@@ -28,6 +28,8 @@ from tensorstash.auto import TRIM_LEAST
 from tensorstash.plan import HOOK_S, Rates, make_plan, weighted_median
 from tensorstash.profile import ALREADY_RECOMPUTED, ModuleRecord, SiteRecord, StepRecord
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 MiB = 1 << 20
 
 
@@ -471,6 +473,7 @@ def test_auto_plan_trains_bitwise_with_dropout_while_the_plan_changes() -> None:
     assert_same_weights(plain, stashed)
 
 
+@pytest.mark.slow  # bf16 on CPU; autocast per policy and plans bitwise are checked fast elsewhere
 def test_auto_plan_trains_bitwise_under_bf16_autocast() -> None:
     plain, stashed = fresh(), fresh()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -491,6 +494,7 @@ def test_auto_holds_its_budget_after_the_first_step() -> None:
         assert tiers["kept"]["peak_bytes"] + tiers["host"]["peak_bytes"] <= budget + largest
 
 
+@pytest.mark.slow  # test_auto_holds_its_budget_after_the_first_step checks it on a small model
 @pytest.mark.parametrize("name", ["small", "gpt2-hf"])
 def test_auto_holds_its_budget_on_the_bench_models(name: str) -> None:
     """At 25, 50 and 75% of a bench model's activation bytes, with the measured times

@@ -16,6 +16,8 @@ from zoo import Block
 import tensorstash as ts
 from tensorstash.profile import HISTORY, PEAK_SAMPLES, QUIET_TIMED_EVERY
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 MiB = 1 << 20
 
 

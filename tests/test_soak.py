@@ -31,6 +31,7 @@ def load_soak() -> ModuleType:
 soak = load_soak()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", list(soak.POLICIES))
 def test_soak_nothing_grows_after_warmup(spill_dir: Path, policy: str) -> None:
     samples = soak.soak(policy, STEPS, EVERY, spill_dir)
@@ -53,6 +54,7 @@ def test_soak_growth_reports_what_grew() -> None:
     assert soak.growth(fat, 0, 16 << 20) == ["rss grew 80.0 MiB after warm-up"]
 
 
+@pytest.mark.slow
 def test_soak_main_exits_zero_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     assert (

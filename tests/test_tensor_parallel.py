@@ -40,10 +40,13 @@ from torch import Tensor, nn
 import tensorstash as ts
 from tensorstash.distributed import gather_stats
 
-pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()),
-    reason="torch.distributed with the gloo backend is not available",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()),
+        reason="torch.distributed with the gloo backend is not available",
+    ),
+    pytest.mark.slow,  # every test reads the job of 2 spawned ranks
+]
 
 WORLD = 2
 TIMEOUT_S = 300

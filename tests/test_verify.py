@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-from checks import ALL_DTYPES, assert_grads_equal, grads_of, leak_check, spill_descriptors
+from checks import (
+    ALL_DTYPES,
+    assert_grads_equal,
+    grads_of,
+    leak_check,
+    model_policy_params,
+    spill_descriptors,
+)
 from torch import nn
 from zoo import ZOO
 
@@ -19,7 +26,7 @@ from tensorstash.policy import Context, Held
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.mark.parametrize("name", list(ZOO))
+@pytest.mark.parametrize(("name", "spec"), model_policy_params(list(ZOO)))
 def test_verify_passes_every_lossless_policy_on_the_zoo(
     name: str, policy: Any, spill_dirs: list[Path]
 ) -> None:

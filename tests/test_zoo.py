@@ -14,6 +14,7 @@ from checks import (
     assert_went_to,
     grads_of,
     leak_check,
+    model_policy_params,
     run_case,
 )
 from zoo import ZOO
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MODELS = [pytest.param(name, id=name) for name in ZOO]
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize(("name", "spec"), model_policy_params(list(ZOO)))
 def test_zoo_grads_equal_plain(name: str, policy: Any) -> None:
     expected = run_case(ZOO[name]())
     session = ts.stash(policy, min_bytes=0)
@@ -33,14 +34,14 @@ def test_zoo_grads_equal_plain(name: str, policy: Any) -> None:
     assert_grads_equal(expected, actual)
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize(("name", "spec"), model_policy_params(list(ZOO)))
 def test_zoo_tensors_reach_policy_tier(name: str, spec: PolicySpec, policy: Any) -> None:
     session = ts.stash(policy, min_bytes=0)
     run_case(ZOO[name](), session)
     assert_went_to(session, spec.tier)
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize(("name", "spec"), model_policy_params(list(ZOO)))
 def test_zoo_step_releases_everything(name: str, policy: Any, spill_dirs: list[Path]) -> None:
     session = ts.stash(policy, min_bytes=0)
     run_case(ZOO[name](), session)
