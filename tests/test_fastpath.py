@@ -31,6 +31,8 @@ slow = pytest.mark.slow
 ROOT = Path(__file__).parent.parent
 stash = importlib.import_module("tensorstash.stash")  # the module, not the function
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 @pytest.fixture(params=["c", "python"])
 def hooks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
