@@ -192,12 +192,12 @@ def _probe_regions(device: torch.device) -> tuple[float, float]:
         return region - plain - forward
 
     # Outside any session's hooks: the probe's tensors are no step's. With grad on: a plan
-    # can be made while a compiled graph's forward saves its tensors, where grad is off.
-    with (
-        torch.inference_mode(False),
-        torch.enable_grad(),
-        torch.autograd.graph.saved_tensors_hooks(_same, _same),
-    ):
+    # can be made while a compiled graph's forward saves its tensors, where grad is off,
+    # and where hooks may be turned off (no pair may be pushed there, and none is needed).
+    hooks: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)():
+        hooks = torch.autograd.graph.saved_tensors_hooks(_same, _same)
+    with torch.inference_mode(False), torch.enable_grad(), hooks:
         extra(SHORT_REGION)  # the first run of checkpointing imports what it needs
         short = statistics.median(extra(SHORT_REGION) for _ in range(REGION_ROUNDS))
         long = statistics.median(extra(LONG_REGION) for _ in range(REGION_ROUNDS))

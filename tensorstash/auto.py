@@ -403,6 +403,13 @@ class Auto:
             state = ctx.resource(id(self), lambda: _AutoState(self, ctx))
         return state
 
+    def budget_bytes(self, ctx: Context, device: torch.device) -> int:
+        """This session's device budget in bytes on ``device`` (resolved once per session)."""
+        state = self.state(ctx)
+        if state.budget < 0:
+            state._resolve_limits(device)
+        return state.budget
+
     def begin(self, ctx: Context, *, quiet: bool = False) -> _AutoState:
         """A session opens: plan at the model's first call (see ``_AutoState.entered``);
         ``quiet``: it opened quiet (NOTE [ Quiet steps ] rule 4)."""

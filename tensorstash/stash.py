@@ -105,7 +105,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tensorstash import _dtensor, _modules, _reasons
+from tensorstash import _dtensor, _modules, _reasons, compiler
 from tensorstash._fastpath import compiled
 from tensorstash._names import POLICIES
 from tensorstash._names import resolve as _resolve
@@ -567,6 +567,9 @@ class Session(contextlib.ContextDecorator):
         self._quiet = False  # this open handed the step to plain autograd (rule 10)
         self._opened_quiet = False  # this open pushed nothing yet, and may stay so (rule 11)
         self._cancel_next: Callable[[], None] = _nothing  # stop waiting for a module call
+        self._compiled: compiler.CompiledStep | None = None  # NOTE [ Compiled code ]
+        self._compiled_alone = False  # this open runs compiled code planned whole (rule 6)
+        self._compiled_plan: compiler.CompilerPlan | None = None
         self._ctx.session = weakref.ref(self)
 
     def __repr__(self) -> str:
@@ -601,6 +604,11 @@ class Session(contextlib.ContextDecorator):
         quiet = not active and top is None and self._may_open_quiet()
         active.append(self)
         self._ctx.opened()
+        detect = False
+        if not active[:-1] and top is None and self._plans_compiled():
+            if compiler.known(self.profile).compiled:
+                return self._open_compiled()
+            detect = not quiet and compiler.known(self.profile).compiled is None
         if quiet:
             return self._open_quiet()
         _modules.track()
@@ -611,8 +619,76 @@ class Session(contextlib.ContextDecorator):
             self.policy, "choose", None
         )
         self._step = self.profile.begin(self._ctx, self.min_bytes) if self.profile else None
-        torch._C._autograd._push_saved_tensors_default_hooks(*self._hooks())
+        if detect:
+            self._push_compiler_hooks(self._hooks())
+        else:
+            torch._C._autograd._push_saved_tensors_default_hooks(*self._hooks())
         return self
+
+    # Compiled code (NOTE [ Compiled code ] in compiler.py) ------------------------------
+
+    def _plans_compiled(self) -> bool:
+        """Rule 2: an Auto session with a profile, in a process that runs compiled code."""
+        return (
+            self.profile is not None
+            and isinstance(self.policy, Auto)
+            and not self.record
+            and not self.verify
+            and torch.is_grad_enabled()
+            and compiler.dynamo_live()
+        )
+
+    def _push_compiler_hooks(self, hooks: tuple[Any, Any]) -> None:
+        """Rule 5's first step: the default partitioner's pair, eager tensors handed to
+        ``hooks``; its reading tells whether the step runs compiled code."""
+        profile, policy, ctx = self.profile, self.policy, self._ctx
+        assert profile is not None and isinstance(policy, Auto)
+
+        def search(device: torch.device) -> compiler.CompiledSearch:
+            compiler.known(profile).device = device
+            budget = policy.budget_bytes(ctx, device)
+            return compiler.search_for(profile, policy.device_budget, budget)
+
+        step = compiler.CompiledStep(search, 1.0, self.min_bytes, None)
+        compiler.handing(*hooks)
+        torch._C._autograd._push_saved_tensors_default_hooks(step.pair.pack, step.pair.unpack)
+        self._compiled = step
+
+    def _open_compiled(self) -> Session:
+        """Rule 6: a step of compiled code, planned whole by the search: its pair, or
+        nothing where what the compiled graphs keep fits."""
+        profile, policy = self.profile, self.policy
+        assert profile is not None and isinstance(policy, Auto)
+        device = compiler.known(profile).device or torch.device("cpu")
+        budget = policy.budget_bytes(self._ctx, device)
+        search = compiler.search_for(profile, policy.device_budget, budget)
+        setting = search.setting_for_step()
+        self._compiled_alone = True
+        self._compiled_plan = search.plan()
+        if setting is None:
+            self._quiet = True
+            with self._stats._lock:
+                self._stats.quiet += 1
+            return self
+        step = compiler.CompiledStep(search, setting, self.min_bytes, device, known=True)
+        compiler.handing(_keep_eager, _unpack_kept)  # rule 6: eager tensors stay
+        torch._C._autograd._push_saved_tensors_default_hooks(step.pair.pack, step.pair.unpack)
+        self._compiled = step
+        return self
+
+    def _close_compiled(self) -> None:
+        """The forward of a step under a pair ended: what its compiled graphs kept."""
+        step, self._compiled = self._compiled, None
+        if step is None:
+            return
+        compiler.handed()
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        search = step.exited()
+        if search is None and not self._compiled_alone and self.profile is not None:
+            compiler.known(self.profile).compiled = False
+        elif search is not None and self.profile is not None:
+            compiler.known(self.profile).compiled = True
+            self._compiled_plan = search.plan()
 
     @property
     def opened_quiet(self) -> bool:
@@ -718,7 +794,10 @@ class Session(contextlib.ContextDecorator):
         return hooks.pack, hooks.unpack
 
     def _pushed_by(self, hook: Any) -> bool:
-        """Whether ``hook`` (a pushed pack hook) is this session's, Python's or C's."""
+        """Whether ``hook`` (a pushed pack hook) is this session's, Python's, C's, or the
+        compiler pair it pushed."""
+        if self._compiled is not None and hook is self._compiled.pair.pack:
+            return True
         owner = getattr(hook, "__self__", None)
         return hook == self.pack or getattr(owner, "session", None) is self
 
@@ -742,10 +821,20 @@ class Session(contextlib.ContextDecorator):
                 "tensorstash.stash: other saved-tensor hooks are still pushed inside this "
                 "session; close them before the session ends"
             )
-        if not self._quiet:
+        if self._compiled is not None:
+            self._close_compiled()
+        elif not self._quiet:
             torch._C._autograd._pop_saved_tensors_default_hooks()
         self._pushed.pop()
         active.pop()
+        if self._compiled_alone:
+            self._compiled_alone = False
+            self._quiet = False
+            if not active:
+                _modules.forget_stack()
+            self._ctx.closed()
+            self._ctx.flush_warnings()
+            return
         self._stats.fold()
         if self._step is not None:
             self._step.session_exited()
@@ -897,6 +986,8 @@ class Session(contextlib.ContextDecorator):
         See :class:`~tensorstash.plan.Plan`: the modules recomputed, each site's
         tier, the predicted step time and real peak; ``plan.table()`` for people.
         """
+        if self._compiled_plan is not None:
+            return self._compiled_plan  # type: ignore[return-value]
         planner = self._planner
         return getattr(planner, "plan", None)
 
@@ -1184,6 +1275,15 @@ def pause() -> Iterator[None]:
         for session, hooks in reversed(popped):
             torch._C._autograd._push_saved_tensors_default_hooks(*hooks)
             active.append(session)
+
+
+def _keep_eager(tensor: Tensor) -> Tensor:
+    """Rule 6 of NOTE [ Compiled code ]: a tensor eager code saves in a compiled step stays."""
+    return tensor
+
+
+def _unpack_kept(tensor: Tensor) -> Tensor:
+    return tensor
 
 
 def _nothing() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -118,10 +119,11 @@ def test_auto_quiet_steps_run_a_compiled_model_without_compiling_it_again() -> N
                 frames.append(counter.frame_count)
     finally:
         torch._dynamo.reset()
-    # The plan keeps everything: from the fourth step on, quiet, and from the fifth the
-    # sessions open quiet; none of them compiles the model again.
-    assert [s.stats.quiet for s in sessions] == [0, 0, 0, 1, 1, 1, 1, 1]
-    assert frames[3:] == [frames[3]] * 5, frames
+    # NOTE [ Compiled code ] rule 5: the first step runs under the default partitioner's
+    # pair (one compile) and learns that what the graph keeps fits; every later step
+    # pushes nothing and runs the model's own graph, compiling nothing.
+    assert [s.stats.quiet for s in sessions] == [0, 1, 1, 1, 1, 1, 1, 1]
+    assert frames[1:] == [frames[1]] * 7, frames
 
 
 def test_auto_plans_around_a_compiled_function_whose_forward_runs_with_grad_off() -> None:
@@ -156,3 +158,136 @@ def test_auto_plans_around_a_compiled_function_whose_forward_runs_with_grad_off(
         assert session.plan is not None
     finally:
         torch._dynamo.reset()
+
+
+# -- Auto plans compiled code through the compiler (NOTE [ Compiled code ] in compiler.py) --
+
+PARTITIONED = "aot_eager_decomp_partition"  # the min-cut partitioner, without inductor's compile
+
+
+def _compiled_fn(model: nn.Module, backend: Any = PARTITIONED) -> Callable[..., torch.Tensor]:
+    return torch.compile(lambda x: model(x).square().mean(), backend=backend)
+
+
+def _train(
+    model: nn.Module, fn: Callable[..., torch.Tensor], policy: Any, steps: int, profile: Any
+) -> tuple[list[Any], list[list[torch.Tensor]]]:
+    sessions, grads = [], []
+    x = torch.randn(16, 32, 64, generator=torch.Generator().manual_seed(2))
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        if policy is None:
+            loss = fn(x)
+            session = None
+        else:
+            with ts.stash(policy, profile=profile) as session:
+                loss = fn(x)
+        loss.backward()
+        sessions.append(session)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return sessions, grads
+
+
+@pytest.fixture
+def fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def test_auto_leaves_compiled_code_that_fits_untouched(fresh_dynamo: Any) -> None:
+    """The default budget: one step under the default partitioner's pair learns what the
+    compiled graph keeps; every later step pushes nothing and runs the user's graphs."""
+    model = _model().eval()  # no dropout: every step's gradients alike
+    fn = _compiled_fn(model)
+    _, reference = _train(model, fn, None, 1, None)
+    profile = ts.Profile()
+    sessions, grads = _train(model, fn, ts.Auto(), 2, profile)
+    graphs = _graphs()
+    later, more = _train(model, fn, ts.Auto(), 4, profile)
+    assert _graphs() == graphs, "a step after the first compiled a graph"
+    for got in grads + more:
+        assert all(torch.equal(a, b) for a, b in zip(got, reference[0], strict=True))
+    assert [s.stats.quiet for s in sessions + later] == [0, 1, 1, 1, 1, 1]
+    plan = later[-1].plan
+    assert plan.quiet and plan.settled and plan.kept_bytes > 0
+    assert "the compiled graphs keep what fits, and run untouched" in plan.table()
+    assert all(tier.tensors == 0 for tier in later[-1].stats.tiers.values())
+
+
+def test_auto_plans_compiled_code_with_the_partitioners_budget(fresh_dynamo: Any) -> None:
+    """A budget under what the compiled forward keeps: Auto asks the partitioner for the
+    setting that fits, moves nothing with eager hooks, and trains as the compiler at that
+    setting does, bitwise."""
+    import torch._functorch.config as functorch_config
+
+    model = _model().eval()
+    fn = _compiled_fn(model)
+    profile, auto = ts.Profile(), ts.Auto(device_budget=256 << 10)
+    sessions, _ = _train(model, fn, auto, 8, profile)
+    plan = sessions[-1].plan
+    assert plan.settled and plan.setting is not None and plan.setting < 1.0
+    assert plan.kept_bytes is not None and plan.kept_bytes <= 256 << 10
+    assert f"activation_memory_budget={plan.setting}" in plan.table()
+    first = plan.trials[0]
+    assert first.setting == 1.0 and first.kept_bytes is not None and first.kept_bytes > 256 << 10
+    graphs = _graphs()
+    more, tail = _train(model, fn, auto, 2, profile)
+    assert _graphs() == graphs and all(s.plan.setting == plan.setting for s in more)
+    # No eager hook saw a compiled graph's tensors: nothing was moved or counted.
+    assert all(tier.tensors == 0 for tier in more[-1].stats.tiers.values())
+    assert functorch_config.activation_memory_budget == 1.0  # the user's value is back
+
+    def at_setting(graph: Any, inputs: Any) -> Any:
+        from torch._dynamo.backends.registry import lookup_backend
+
+        with functorch_config.patch(activation_memory_budget=plan.setting):
+            return lookup_backend(PARTITIONED)(graph, inputs)
+
+    peer = _compiled_fn(model, at_setting)
+    _, expected = _train(model, peer, None, 1, None)
+    for got in tail:
+        assert all(torch.equal(a, b) for a, b in zip(got, expected[0], strict=True))
+
+
+def test_compiled_search_keeps_the_users_partitioner_budget(fresh_dynamo: Any) -> None:
+    import torch._functorch.config as functorch_config
+
+    model = _model().eval()
+    fn = _compiled_fn(model)
+    with functorch_config.patch(activation_memory_budget=0.7):
+        _train(model, fn, ts.Auto(device_budget=64 << 10), 3, ts.Profile())
+        assert functorch_config.activation_memory_budget == 0.7
+
+
+def test_auto_plans_an_eager_model_as_before_in_a_process_that_compiled(
+    fresh_dynamo: Any,
+) -> None:
+    """Dynamo compiled something else: the first step learns that this model's code is
+    eager (no compiled graph kept anything), and the steps after plan it as eager code."""
+    other = _model()
+    _train(other, _compiled_fn(other), None, 1, None)
+    model = _model()  # training: Auto plans a model in training (dropout seeded alike)
+
+    def eager(x: torch.Tensor) -> torch.Tensor:
+        return model(x).square().mean()
+
+    _, reference = _train(model, eager, None, 1, None)
+    profile = ts.Profile()
+    sessions, grads = _train(model, eager, ts.Auto(device_budget=256 << 10), 5, profile)
+    for got in grads:
+        assert all(torch.equal(a, b) for a, b in zip(got, reference[0], strict=True))
+    from tensorstash import compiler
+
+    assert compiler.known(profile).compiled is False
+    plan = sessions[-1].plan
+    assert plan is not None and not isinstance(plan, compiler.CompilerPlan)
+    moved = sessions[-1].stats.tiers
+    assert moved["host"].tensors + moved["disk"].tensors > 0 or plan.recompute

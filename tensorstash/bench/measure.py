@@ -58,8 +58,11 @@ def read_plan(session: Any) -> PlanReading | None:
     base = getattr(plan, "base_step_s", None)
     profile = getattr(session, "profile", None)
     quiet = bool(getattr(plan, "quiet", False))
+    own = getattr(plan, "settled", None)  # a plan for compiled code says itself
     settled = profile is None or (
-        not profile.peak_due and (not quiet or bool(profile.quiet_history))
+        bool(own)
+        if own is not None
+        else not profile.peak_due and (not quiet or bool(profile.quiet_history))
     )
     return PlanReading(
         None if step_s is None else float(step_s),
