@@ -254,6 +254,7 @@ def test_bench_bfloat16_runs_the_forward_under_autocast() -> None:
     assert found[1].activation_bytes < float32[1].activation_bytes
 
 
+@pytest.mark.slow
 def test_bench_sweep_runs_both_dtypes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sweep.json"
     argv = ["bench", "--sweep", "--model", "tiny", "--steps", "1", "--warmup", "0"]
@@ -287,6 +288,7 @@ def test_bench_sweep_and_policies_are_exclusive() -> None:
 # -- the HF GPT-2 workload ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 def test_bench_hf_gpt2_checkpoints_the_hf_way_with_equal_grads() -> None:
     workload = bench.builtin_workload("gpt2-hf", seed=0)
@@ -360,6 +362,7 @@ def test_make_batch_is_deterministic() -> None:
     assert torch.equal(first[0][:, 1:], first[1][:, :-1])
 
 
+@pytest.mark.slow
 def test_module_help_runs_in_a_subprocess() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "tensorstash", "bench", "--help"],
@@ -395,6 +398,7 @@ def test_planned_steps_counts_twins_extras_and_skips() -> None:
     assert bench.planned_steps(["torchtune"], steps=3, warmup=2, device="cpu") == 2 + 5
 
 
+@pytest.mark.slow
 def test_planned_steps_is_what_run_bench_ticks() -> None:
     ticks: list[str] = []
     policies = ["lz4", "auto:1MiB", "trl"]
@@ -577,6 +581,7 @@ def test_bench_model_script_runs_the_users_model(script: Path, tmp_path: Path) -
     assert data["auto:50%"]["budget_bytes"] == data["none"]["activation_bytes"] // 2
 
 
+@pytest.mark.slow
 def test_bench_loop_trains_each_policy_of_the_users_model_alone(
     script: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

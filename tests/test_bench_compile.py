@@ -84,6 +84,7 @@ def compiled_rows() -> dict[str, bench.Row]:
     return {row.policy: row for row in rows}
 
 
+@pytest.mark.slow
 def test_bench_compile_runs_the_compilers_budgets_beside_the_variants(
     compiled_rows: dict[str, bench.Row],
 ) -> None:
@@ -91,6 +92,7 @@ def test_bench_compile_runs_the_compilers_budgets_beside_the_variants(
     assert all(row.skipped is None for row in compiled_rows.values())
 
 
+@pytest.mark.slow
 def test_bench_compile_grads_equal_the_compiled_model_alone(
     compiled_rows: dict[str, bench.Row],
 ) -> None:
@@ -102,6 +104,7 @@ def test_bench_compile_grads_equal_the_compiled_model_alone(
         assert compiled_rows[name].grads_close, name
 
 
+@pytest.mark.slow
 def test_bench_compile_counts_graphs_apart_from_the_timed_steps(
     compiled_rows: dict[str, bench.Row],
 ) -> None:
@@ -115,6 +118,7 @@ def test_bench_compile_counts_graphs_apart_from_the_timed_steps(
     assert "recompile loop" not in table
 
 
+@pytest.mark.slow
 def test_bench_compile_rows_reach_the_json(
     compiled_rows: dict[str, bench.Row], tmp_path: Path
 ) -> None:

@@ -55,7 +55,9 @@ def _step(model: nn.Module, compiled: Callable[..., torch.Tensor], session: obje
     return [x.grad, *(p.grad for p in model.parameters())]
 
 
-@pytest.fixture(scope="module", params=["inductor", "aot_eager"])
+@pytest.fixture(
+    scope="module", params=[pytest.param("inductor", marks=pytest.mark.slow), "aot_eager"]
+)
 def compiled(request: pytest.FixtureRequest) -> tuple[nn.Module, Callable[..., torch.Tensor], list]:
     model = _model()
     fn = torch.compile(model, backend=request.param)
@@ -257,6 +259,7 @@ def test_auto_plans_compiled_code_with_the_partitioners_budget(fresh_dynamo: Any
         assert all(torch.equal(a, b) for a, b in zip(got, expected[0], strict=True))
 
 
+@pytest.mark.slow
 def test_compiled_search_keeps_the_users_partitioner_budget(fresh_dynamo: Any) -> None:
     import torch._functorch.config as functorch_config
 

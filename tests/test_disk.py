@@ -300,6 +300,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_forked_and_multiprocessing_children_keep_to_their_own_directory(tmp_path: Path) -> None:
     script = tmp_path / "children.py"
     script.write_text(_FORK_SCRIPT)
@@ -321,7 +322,9 @@ def test_forked_and_multiprocessing_children_keep_to_their_own_directory(tmp_pat
 # -- nothing outlives the graph (rule 6 of NOTE [ Spill files ]) ------------------------------
 
 
-@pytest.mark.parametrize("background", [True, False], ids=["writer", "inline"])
+@pytest.mark.parametrize(
+    "background", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["writer", "inline"]
+)
 def test_disk_spill_graphs_freed_mid_write_leave_no_file(tmp_path: Path, background: bool) -> None:
     for _ in range(30):
         h = torch.randn(256, 1024, requires_grad=True)

@@ -297,6 +297,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # a subprocess
 def test_memory_taken_raw_under_one_allocator_goes_back_to_it_whenever_freed() -> None:
     # oneDNN (an LSTM on the CPU) takes its scratch memory with raw_allocate and gives it
     # back with raw_deallocate of whichever allocator is PyTorch's then. A lease that ends
