@@ -44,7 +44,8 @@
    peaks are not monotonic in the setting (fewer kept bytes may still peak
    higher in backward), and the budget is there to hold memory, so a setting
    that holds less at about the same speed is the better one. No fitting
-   setting then has both a lower real peak and a faster step. Settings smaller than the
+   setting then has both a lower real peak and a faster step. Once settled,
+   steps are no longer timed (the real-memory meter costs a little). Settings smaller than the
    largest that fits are tried only up to ``EXPLORE`` of them.
 6. A step that runs compiled code is planned whole by the search: tensors
    saved by eager code in such a step are kept where they are (counted).
@@ -70,9 +71,10 @@ from tensorstash.stats import human_bytes
 
 SETTINGS: tuple[float, ...] = (1.0, 0.5, 0.25, 0.1, 0.0)
 """The partitioner budgets the search tries, the default partitioner first (rule 5)."""
-TIE = 0.10
+TIE = 0.15
 """Fitting settings whose step is within this share of the fastest one's are as fast,
-and the one with the lowest real peak among them is the plan (rule 5)."""
+and the one with the lowest real peak among them is the plan (rule 5): each is timed
+over one step, and one step's time varies by about that much on a shared machine."""
 EXPLORE = 2
 """Fitting settings tried below the largest that fits (rule 5)."""
 

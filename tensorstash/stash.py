@@ -670,7 +670,8 @@ class Session(contextlib.ContextDecorator):
             with self._stats._lock:
                 self._stats.quiet += 1
             return self
-        step = compiler.CompiledStep(search, setting, self.min_bytes, device, known=True)
+        timed = None if search.settled else device  # rule 5: settled steps are not timed
+        step = compiler.CompiledStep(search, setting, self.min_bytes, timed, known=True)
         compiler.handing(_keep_eager, _unpack_kept)  # rule 6: eager tensors stay
         torch._C._autograd._push_saved_tensors_default_hooks(step.pair.pack, step.pair.unpack)
         self._compiled = step
