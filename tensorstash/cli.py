@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+import tensorstash
 from tensorstash import bench
 from tensorstash.bench import plot as _plot
 from tensorstash.bench.loop import (
@@ -365,6 +366,7 @@ def _bench(args: argparse.Namespace) -> int:
     except bench.ModelScriptError as error:
         args.subparser.error(str(error).removeprefix("tensorstash bench: "))
     titles = []
+    print(tensorstash.info().line())  # which extensions ran (tensorstash.info())
     dtypes = list(dict.fromkeys(row.dtype for row in rows))
     for index, dtype in enumerate(dtypes):
         mine = [row for row in rows if row.dtype == dtype]
