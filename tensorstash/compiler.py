@@ -44,7 +44,10 @@
    peaks are not monotonic in the setting (fewer kept bytes may still peak
    higher in backward), and the budget is there to hold memory, so a setting
    that holds less at about the same speed is the better one. No fitting
-   setting then has both a lower real peak and a faster step. Once settled,
+   setting then has both a lower real peak and a faster step. Steps compare
+   by their fastest timing, and a setting with a lower real peak than the
+   choice that one step's time left out is timed once more (a step on a
+   shared machine can take twice its time). Once settled,
    steps are no longer timed (the real-memory meter costs a little). Settings smaller than the
    largest that fits are tried only up to ``EXPLORE`` of them.
 6. A step that runs compiled code is planned whole by the search: tensors
@@ -302,6 +305,11 @@ class Trial:
         return statistics.median(self.seconds) if self.seconds else None
 
     @property
+    def best_s(self) -> float | None:
+        """Its fastest step: what it costs where nothing else slowed it."""
+        return min(self.seconds) if self.seconds else None
+
+    @property
     def peak_bytes(self) -> int | None:
         return int(statistics.median(self.peaks)) if self.peaks else None
 
@@ -406,8 +414,31 @@ class CompiledSearch:
             trial = self.trials[setting]
             if trial.timable and not trial.seconds:
                 return setting
+        again = self._ruled_out_once(fits)
+        if again is not None:
+            return again
         self._choose(fits)
         return self.choice
+
+    def _ruled_out_once(self, fits: list[float]) -> float | None:
+        """A fitting setting with a lower real peak than the choice would have, left out
+        for its speed after one step: timed once more (one slow step may be noise)."""
+        timed = [self.trials[s] for s in fits if self.trials[s].best_s is not None]
+        if not timed:
+            return None
+        choice = self._best(timed)
+        lower = [
+            t
+            for t in timed
+            if len(t.seconds) < 2 and (t.peak_bytes or 0) < (choice.peak_bytes or 0)
+        ]
+        return lower[0].setting if lower else None
+
+    @staticmethod
+    def _best(timed: list[Trial]) -> Trial:
+        fastest = min(t.best_s or 0.0 for t in timed)
+        close = [t for t in timed if (t.best_s or 0.0) <= fastest * (1 + TIE)]
+        return min(close, key=lambda t: (t.peak_bytes or 0, -t.setting))
 
     def _fitting(self) -> list[float]:
         return [
@@ -426,7 +457,7 @@ class CompiledSearch:
 
     def _choose(self, fits: list[float]) -> None:
         self.settled = True
-        timed = [self.trials[s] for s in fits if self.trials[s].step_s is not None]
+        timed = [self.trials[s] for s in fits if self.trials[s].best_s is not None]
         if not timed:  # none timed (or none fits): the least the compiler keeps
             known = [t for t in self.trials.values() if t.kept_bytes is not None]
             fitting = [t for t in known if t.setting in fits] or known
@@ -436,9 +467,7 @@ class CompiledSearch:
                 else None
             )
             return
-        fastest = min(t.step_s or 0.0 for t in timed)
-        close = [t for t in timed if (t.step_s or 0.0) <= fastest * (1 + TIE)]
-        self.choice = min(close, key=lambda t: (t.peak_bytes or 0, -t.setting)).setting
+        self.choice = self._best(timed).setting
 
     def measured(self, setting: float, kept: int, tensors: int) -> None:
         """A step at ``setting`` kept ``kept`` bytes in ``tensors`` tensors (none: its
