@@ -380,3 +380,37 @@ def test_metrics_average_steps_and_keep_the_largest_peak() -> None:
     assert values["tensorstash/host_peak_bytes"] == 100
     assert values["tensorstash/compression_ratio"] == 400 / 150
     assert values["tensorstash/wait_seconds"] == 0.25
+
+
+@pytest.mark.slow  # compiles the model
+def test_callback_auto_plans_a_compiled_model_through_the_compiler(tmp_path: Path) -> None:
+    """``torch_compile=True``: Auto with a budget under what the compiled forward keeps asks
+    the partitioner for less (NOTE [ Compiled code ]); no eager hook sees the compiled
+    graphs' tensors, and training matches the compiled model alone within rounding (the
+    search runs steps at several settings, so no single setting's run is bitwise the same;
+    SGD, whose weights move by the learning rate times the gradients' rounding; no dropout,
+    as graphs compiled at other settings draw the RNG apart)."""
+    from tensorstash import compiler
+
+    compile_args = {"torch_compile": True, "optim": "sgd", "max_steps": 8}
+
+    def model() -> nn.Module:  # no dropout: graphs compiled at other settings draw RNG apart
+        built = tiny_gpt2()
+        for module in built.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+        return built
+
+    torch._dynamo.reset()
+    try:
+        expected = train(tmp_path / "plain", model=model(), **compile_args).model.state_dict()
+        callback = StashTrainerCallback(ts.Auto(device_budget="16KiB"), min_bytes=0)
+        trainer = train(tmp_path / "run", [callback], model=model(), **compile_args)
+    finally:
+        torch._dynamo.reset()
+    assert callback.profile is not None and compiler.known(callback.profile).compiled
+    plans = [s for s in compiler.known(callback.profile).searches.values()]
+    assert len(plans) == 1 and plans[0].trials[1.0].kept_bytes > 16 << 10
+    assert min(plans[0].trials) < 1.0  # the partitioner was asked for less
+    for name, want in expected.items():
+        assert torch.allclose(want, trainer.model.state_dict()[name], rtol=1e-4, atol=1e-6), name
