@@ -356,18 +356,26 @@ def files_under(directories: Sequence[Path]) -> list[str]:
     return sorted(found)
 
 
-def spill_descriptors(directories: Sequence[Path]) -> list[str]:
-    """What this process's open descriptors name below ``directories``: spill
-    files have no name, so they are found by what ``/proc/self/fd`` says."""
-    roots = [str(Path(d).resolve()) + os.sep for d in directories]
-    found: list[str] = []
+def open_descriptors() -> list[tuple[str, str]]:
+    """This process's open descriptors: each ``/proc/self/fd`` entry and what it names."""
+    found: list[tuple[str, str]] = []
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue  # the descriptor listdir itself used, closed since
+        found.append((f"/proc/self/fd/{fd}", target))
+    return found
+
+
+def spill_descriptors(directories: Sequence[Path]) -> list[str]:
+    """What this process's open descriptors name below ``directories``: spill
+    files have no name, so they are found by what ``/proc/self/fd`` says."""
+    roots = [str(Path(d).resolve()) + os.sep for d in directories]
+    found: list[str] = []
+    for entry, target in open_descriptors():
         if any(target.startswith(root) for root in roots) and target.endswith("(deleted)"):
-            found.append(f"/proc/self/fd/{fd}")
+            found.append(entry)
     return sorted(found)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checks import assert_grads_equal, grads_of, poll
+from checks import assert_grads_equal, grads_of, open_descriptors, poll
 from torch import nn
 
 import tensorstash as ts
@@ -37,11 +37,7 @@ def descriptors_under(parent: Path) -> list[str]:
     directory's own descriptor included, and files with no name)."""
     root = str(parent.resolve())
     found: list[str] = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue  # the descriptor listdir itself used, closed since
+    for _, target in open_descriptors():
         if target == root or target.startswith(root + os.sep):
             found.append(target)
     return sorted(found)
