@@ -481,3 +481,36 @@ def test_callback_trains_bitwise_like_plain_lightning_under_ddp(tmp_path: Path) 
     # Spill files are gone. (Each process's empty private directory stays until
     # a later process removes it: these processes end with os._exit, skipping atexit.)
     assert files_under([spill]) == []
+
+
+class Compiled(Automatic):
+    """The network compiled (the min-cut partitioner, without inductor's compile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.compile(self.net, backend="aot_eager_decomp_partition")
+
+
+@pytest.mark.slow  # compiles the network at several settings
+def test_callback_auto_plans_a_compiled_module_through_the_compiler() -> None:
+    """Auto with a budget under what the compiled forward keeps asks the partitioner for
+    less (NOTE [ Compiled code ]): no eager hook sees the compiled graph's tensors, and the
+    weights are those of the compiled module trained alone."""
+    from tensorstash import compiler
+
+    torch._dynamo.reset()
+    try:
+        expected = Compiled()
+        fit(expected, [], max_steps=10)
+        callback = StashCallback(ts.Auto(device_budget=4096), min_bytes=0)
+        actual = Compiled()
+        fit(actual, [callback], max_steps=10)
+    finally:
+        torch._dynamo.reset()
+    assert callback.profile is not None and compiler.known(callback.profile).compiled
+    (search,) = compiler.known(callback.profile).searches.values()
+    assert search.trials[1.0].kept_bytes > 4096 and search.settled
+    assert search.choice is not None and search.choice < 1.0
+    counts = callback.stats.to_dict()["tiers"] if callback.stats is not None else {}
+    assert not any(tier["tensors"] for tier in counts.values()), "an eager hook saw a tensor"
+    assert_weights_equal(expected.net, actual.net)
