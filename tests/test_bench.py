@@ -739,3 +739,35 @@ def test_plan_command_rejects_a_budget_that_is_not_one(capsys: pytest.CaptureFix
         main(["plan", "--model", "tiny", "--budget", "lots"])
     assert exited.value.code == 2
     assert "budget" in capsys.readouterr().err
+
+
+def test_bench_goes_on_past_an_optional_peer_that_raises(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rule 11 of NOTE [ Fair comparison ]: a peer that raises while it is made is a skipped
+    row with its error; the hooks it left pushed go; every other row is measured."""
+    from tensorstash.bench import variants
+
+    class Failing:
+        def __enter__(self) -> None:
+            torch._C._autograd._push_saved_tensors_default_hooks(lambda t: t, lambda t: t)
+            raise RuntimeError("You must initialize the accelerate state by calling ...")
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    monkeypatch.setattr(rounds, "skip_reason", lambda name, device: None)
+    monkeypatch.setattr(variants, "_peer_context", lambda name, workload: Failing())
+    out = tmp_path / "bench.json"
+    code = main(
+        ["bench", "--model", "tiny", "--steps", "1", "--warmup", "1",
+         "--policies", "keep,trl", "--json", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    rows = {row["policy"]: row for row in json.loads(out.read_text())}
+    assert rows["none"]["grads_equal"] and rows["keep"]["grads_equal"]
+    assert rows["trl"]["skipped"].startswith("failed: RuntimeError: You must initialize")
+    assert "trl" in capsys.readouterr().out and "skipped: failed: RuntimeError" in (
+        bench.format_table([bench.Row.from_dict(row) for row in rows.values()])
+    )
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None

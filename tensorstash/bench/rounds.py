@@ -75,6 +75,10 @@ model, and the numbers are only comparable if nothing but the variant differs:
 10. ``--dtype bfloat16`` runs the forward under bfloat16 autocast, weights and
     gradients staying float32, the reference too. Each dtype is a run of its
     own (reference, activation bytes, rounds); ``--sweep`` runs both.
+11. An optional peer (another library's offloader) that raises while it is
+    made or run is left out of the rest of the run: its row says it was
+    skipped and why, the hooks it left pushed are popped, and every other
+    variant goes on.
 """
 
 from __future__ import annotations
@@ -105,6 +109,7 @@ from tensorstash.bench.variants import (
     BASELINE,
     DEFAULT_POLICIES,
     NO_PLAN,
+    OPTIONAL_PEERS,
     SWEEP_POLICIES,
     budget_bytes,
     check_blocks,
@@ -323,6 +328,7 @@ class _Rounds:
         self.warmup = warmup
         self.tick = progress or (lambda name: None)
         self.dtype = dtype_name(runner.dtype)
+        self.failed: dict[str, str] = {}  # rule 11: optional peers that raised, and why
 
     def run(self, timeline: bool, memory_snapshot: str | Path | None) -> list[Row]:
         self.runner.take_reference()  # rule 4
@@ -348,9 +354,29 @@ class _Rounds:
         results: dict[str, list[StepResult]] = {n: [] for group in self.groups for n in group}
         for index in range(first, first + count):
             for name in round_order(self.groups, index):
-                results[name].append(self.runner.step(name))
+                if name in self.failed:
+                    continue
+                step = self._step(name)
+                if step is not None:
+                    results[name].append(step)
                 self.tick(name)
         return results
+
+    def _step(self, name: str) -> StepResult | None:
+        """One step of ``name``; rule 11: an optional peer that raises is left out."""
+        if name not in OPTIONAL_PEERS:
+            return self.runner.step(name)
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        try:
+            return self.runner.step(name)
+        except Exception as error:  # another library's code: its failure is its row's
+            for _ in range(64):  # hooks it pushed and left behind go with it
+                now = torch._C._autograd._top_saved_tensors_default_hooks(False)
+                if now is None or now == top:
+                    break
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            self.failed[name] = f"failed: {type(error).__name__}: {error}"
+            return None
 
     def _row(
         self,
@@ -359,7 +385,7 @@ class _Rounds:
         timed: dict[str, list[StepResult]],
         trace: StepResult | None,
     ) -> Row:
-        why = skip_reason(name, self.runner.device)
+        why = skip_reason(name, self.runner.device) or self.failed.get(name)
         if why is not None:
             return Row.skip(name, self.dtype, why)
         activations = self.runner.activation_bytes

@@ -219,8 +219,10 @@ def _peer_context(name: str, workload: Workload) -> Any:
 
             made[name] = OffloadActivations()
         else:
+            from accelerate import PartialState
             from trl.models import get_act_offloading_ctx_manager
 
+            PartialState()  # as TRL's trainers do first: its logger asks for this state
             made[name] = get_act_offloading_ctx_manager(workload.library_model or workload.model)
     return made[name]
 
