@@ -609,6 +609,8 @@ class Session(contextlib.ContextDecorator):
             if compiler.known(self.profile).compiled:
                 return self._open_compiled()
             detect = not quiet and compiler.known(self.profile).compiled is None
+            if detect:
+                compiler.prepare()  # before the profile's step begins: one-time work
         if quiet:
             return self._open_quiet()
         _modules.track()
