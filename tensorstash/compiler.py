@@ -52,6 +52,15 @@
    largest that fits are tried only up to ``EXPLORE`` of them.
 6. A step that runs compiled code is planned whole by the search: tensors
    saved by eager code in such a step are kept where they are (counted).
+7. Graphs that draw random numbers (dropout) run untouched: under a memory
+   budget below 1.0 the partitioner (inductor's and aot_eager's alike, torch
+   2.13, CPU) recomputes a random op in backward with other random values,
+   so the gradient no longer matches the forward (same loss, gradients
+   2e-3 apart on a two-block MLP with dropout 0.1). The graph compiled under
+   the default partitioner's pair says so (any node tagged
+   ``nondeterministic_seeded`` in its forward), before any other setting is
+   tried; the plan then asks the compiler for nothing, and says why. A pair
+   whose graphs were compiled before (by another profile) answers for them.
 """
 
 from __future__ import annotations
@@ -99,6 +108,7 @@ class _Count:
     tensors: int = 0
     min_bytes: int = 0
     device: torch.device | None = None
+    random: bool = False
 
 
 @torch.library.custom_op("tensorstash::saved", mutates_args=())
@@ -193,13 +203,30 @@ class _Handed:
         self.value = value
 
 
+def _draws_random(graph: Any) -> bool:
+    """Whether a compiled forward graph draws random numbers (rule 7)."""
+    seeded = torch.Tag.nondeterministic_seeded
+    return any(
+        node.op == "call_function" and seeded in getattr(node.target, "tags", ())
+        for node in getattr(graph, "nodes", ())
+    )
+
+
 class _Pack(fx.GraphModule):
     def __init__(self, setting: float) -> None:
         super().__init__(nn.Module(), _pack_graph())
         self.setting = setting
+        self.random = False  # a graph compiled under it draws random numbers (rule 7)
 
     def __call__(self, tensor: Tensor) -> Any:
         if _compiling():
+            from torch._functorch._aot_autograd.graph_compile import (
+                _get_saved_tensor_hook_context,
+            )
+
+            context = _get_saved_tensor_hook_context() or {}
+            if _draws_random(context.get("_fw_graph")):
+                self.random = _count().random = True
             return super().__call__(tensor)  # traced, then inlined (rule 2)
         hooks = getattr(_local, "handing", None)
         if not hooks:
@@ -244,21 +271,19 @@ def hooks_for(setting: float) -> CompilerHooks:
         pair = _PAIRS.get(setting)
         if pair is None:
             pair = _PAIRS[setting] = CompilerHooks(setting)
-            _watch_compiles()
+        _watch_compiles()
         return pair
 
 
-_watching = False
-
-
 def _watch_compiles() -> None:
-    """Rule 4: set the pair's budget while a graph compiles under it (once per process)."""
-    global _watching
-    if _watching:
-        return
-    _watching = True
-    torch._dynamo.callback_handler.register_start_callback(_compile_starts)
-    torch._dynamo.callback_handler.register_end_callback(_compile_ends)
+    """Rule 4: set the pair's budget while a graph compiles under it. Registered again
+    where ``torch._dynamo.reset()`` cleared dynamo's callbacks."""
+    handler = torch._dynamo.callback_handler
+    if _compile_starts not in getattr(handler, "start_callbacks", ()):
+        handler.register_start_callback(_compile_starts)
+        handler.register_end_callback(_compile_ends)
+        for pair in _PAIRS.values():  # a reset dropped every graph: none is known yet
+            pair.pack.random = False
 
 
 def _compile_starts(*_: Any) -> None:
@@ -342,6 +367,7 @@ class CompilerPlan:
     predicted_peak_bytes: int | None
     trials: tuple[Trial, ...]
     settled: bool
+    random: bool = False
 
     @property
     def quiet(self) -> bool:
@@ -352,6 +378,9 @@ class CompilerPlan:
     base_step_s: float | None = None
     fits = True
 
+    def _fits(self) -> bool:
+        return self.kept_bytes is not None and self.kept_bytes <= self.budget_bytes
+
     def table(self) -> str:
         """The plan for people: the budget, what the compiler was asked for, each trial."""
         asked = (
@@ -359,6 +388,11 @@ class CompilerPlan:
             if self.setting is None
             else f"activation_memory_budget={self.setting}"
         )
+        if self.random and self.setting is None and not self._fits():
+            asked = (
+                "nothing: the compiled graphs draw random numbers (dropout), which the "
+                "partitioner's memory budget recomputes with other values; they run untouched"
+            )
         lines = [
             f"compiled code: budget {human_bytes(self.budget_bytes)} kept for backward; "
             f"the compiler is asked for {asked}" + ("" if self.settled else " (still searching)")
@@ -389,6 +423,7 @@ class CompiledSearch:
         self.choice: float | None = None
         self.settled = False
         self.current: float | None = 1.0
+        self.random = False  # rule 7: the graphs draw random numbers
 
     def rebudget(self, budget: int) -> None:
         """The budget resolved to ``budget`` this step: choose again from the trials if
@@ -411,7 +446,7 @@ class CompiledSearch:
         if 1.0 not in self.trials:
             return 1.0
         fits = self._fitting()
-        if 1.0 in fits:
+        if 1.0 in fits or self.random:  # rule 7: no other setting is safe with randomness
             self.settled, self.choice = True, None
             return None
         for setting in self._to_compile(fits):
@@ -495,6 +530,7 @@ class CompiledSearch:
             None if trial is None else trial.peak_bytes,
             tuple(self.trials[s] for s in SETTINGS if s in self.trials),
             self.settled,
+            self.random,
         )
 
 
@@ -557,6 +593,7 @@ class CompiledStep:
         self.pair = hooks_for(setting)
         count = _count()
         count.bytes = count.tensors = 0
+        count.random = self.pair.pack.random  # graphs compiled before, under this pair
         count.min_bytes = min_bytes
         self.count = count
         self.graphs = _graphs()
@@ -579,6 +616,7 @@ class CompiledStep:
         search = self.search
         if not isinstance(search, CompiledSearch):
             search = self.search = search(count.device or torch.device("cpu"))
+        search.random = search.random or count.random
         search.measured(self.setting, count.bytes, count.tensors)
         if compiled_now or self.meter is None or not count.tensors:
             self._stop()  # compiling is not stepping (rule 5)

@@ -294,3 +294,21 @@ def test_auto_plans_an_eager_model_as_before_in_a_process_that_compiled(
     assert plan is not None and not isinstance(plan, compiler.CompilerPlan)
     moved = sessions[-1].stats.tiers
     assert moved["host"].tensors + moved["disk"].tensors > 0 or plan.recompute
+
+
+def test_auto_leaves_compiled_graphs_that_draw_random_numbers_untouched(
+    fresh_dynamo: Any,
+) -> None:
+    """Rule 7: under a memory budget the partitioner recomputes dropout with other random
+    values (same loss, other gradients); a graph with dropout is never asked for one."""
+    model = _model()  # training: dropout draws random numbers
+    fn = _compiled_fn(model)
+    _, reference = _train(model, fn, None, 1, None)
+    profile = ts.Profile()
+    sessions, grads = _train(model, fn, ts.Auto(device_budget=64 << 10), 5, profile)
+    for got in grads:
+        assert all(torch.equal(a, b) for a, b in zip(got, reference[0], strict=True))
+    plan = sessions[-1].plan
+    assert plan.random and plan.setting is None and plan.settled
+    assert [t.setting for t in plan.trials] == [1.0]  # no other setting was compiled
+    assert "draw random numbers" in plan.table()
