@@ -161,11 +161,12 @@ def _backward_ended() -> None:
         step.finished(now)
 
 
-def _compiling() -> bool:
-    """Whether AOTAutograd is asking what a saved tensor becomes (not an eager call)."""
+def _compiling() -> dict[str, Any] | None:
+    """What AOTAutograd says of the saved tensor it is asking about (its graphs, its
+    node), or None for an eager call."""
     from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
 
-    return _get_saved_tensor_hook_context() is not None
+    return _get_saved_tensor_hook_context()
 
 
 def prepare() -> CompilerHooks:
@@ -219,12 +220,8 @@ class _Pack(fx.GraphModule):
         self.random = False  # a graph compiled under it draws random numbers (rule 7)
 
     def __call__(self, tensor: Tensor) -> Any:
-        if _compiling():
-            from torch._functorch._aot_autograd.graph_compile import (
-                _get_saved_tensor_hook_context,
-            )
-
-            context = _get_saved_tensor_hook_context() or {}
+        context = _compiling()
+        if context is not None:
             if _draws_random(context.get("_fw_graph")):
                 self.random = _count().random = True
             return super().__call__(tensor)  # traced, then inlined (rule 2)
@@ -237,7 +234,7 @@ class _Pack(fx.GraphModule):
 
 class _Unpack(fx.GraphModule):
     def __call__(self, packed: Any) -> Any:
-        if _compiling():
+        if _compiling() is not None:
             return super().__call__(packed)
         if isinstance(packed, _Handed):
             return packed.unpack(packed.value)

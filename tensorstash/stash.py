@@ -651,10 +651,7 @@ class Session(contextlib.ContextDecorator):
             budget = policy.budget_bytes(ctx, device)
             return compiler.search_for(profile, policy.device_budget, budget)
 
-        step = compiler.CompiledStep(search, 1.0, self.min_bytes, None)
-        compiler.handing(*hooks)
-        torch._C._autograd._push_saved_tensors_default_hooks(step.pair.pack, step.pair.unpack)
-        self._compiled = step
+        self._push_pair(compiler.CompiledStep(search, 1.0, self.min_bytes, None), hooks)
 
     def _open_compiled(self) -> Session:
         """Rule 6: a step of compiled code, planned whole by the search: its pair, or
@@ -674,10 +671,14 @@ class Session(contextlib.ContextDecorator):
             return self
         timed = None if search.settled else device  # rule 5: settled steps are not timed
         step = compiler.CompiledStep(search, setting, self.min_bytes, timed, known=True)
-        compiler.handing(_keep_eager, _unpack_kept)  # rule 6: eager tensors stay
+        self._push_pair(step, (_same, _same))  # rule 6: eager tensors stay where they are
+        return self
+
+    def _push_pair(self, step: compiler.CompiledStep, hooks: tuple[Any, Any]) -> None:
+        """Push ``step``'s pair; eager code's tensors go to ``hooks`` (rule 2)."""
+        compiler.handing(*hooks)
         torch._C._autograd._push_saved_tensors_default_hooks(step.pair.pack, step.pair.unpack)
         self._compiled = step
-        return self
 
     def _close_compiled(self) -> None:
         """The forward of a step under a pair ended: what its compiled graphs kept."""
@@ -1280,12 +1281,7 @@ def pause() -> Iterator[None]:
             active.append(session)
 
 
-def _keep_eager(tensor: Tensor) -> Tensor:
-    """Rule 6 of NOTE [ Compiled code ]: a tensor eager code saves in a compiled step stays."""
-    return tensor
-
-
-def _unpack_kept(tensor: Tensor) -> Tensor:
+def _same(tensor: Tensor) -> Tensor:
     return tensor
 
 

@@ -115,11 +115,6 @@ class CompiledForwards:
             self._made[key] = made
         return made
 
-    @property
-    def any_compiled(self) -> bool:
-        """Whether some variant runs compiled code (rules 3 and 4 apply)."""
-        return self.compile or any(key != "eager" for key in self._made)
-
 
 @contextlib.contextmanager
 def compiled_run(active: bool) -> Iterator[None]:
