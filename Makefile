@@ -14,9 +14,9 @@ BENCH_ARGS ?=
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# The session pool (tensorstash/_alloc.cpp) builds against the torch installed here,
+# The session pool (tensorstash/memory/_alloc.cpp) builds against the torch installed here,
 # so the project builds without isolation, after torch and setuptools.
-$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py tensorstash/_fast.c tensorstash/_alloc.cpp constraints.txt
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py tensorstash/core/_fast.c tensorstash/memory/_alloc.cpp constraints.txt
 	$(PIP) install -c constraints.txt "torch==2.13.0" "setuptools>=68"
 	$(PIP) install -c constraints.txt --no-build-isolation -e ".[all]"
 	touch $@

@@ -1,11 +1,11 @@
 """The optional C and C++ extensions; everything else is in pyproject.toml.
 
 Without a compiler the build goes on without them: tensorstash then uses its
-pure-Python hooks (NOTE [ Fast path ] in tensorstash/_fastpath.py) and hands
-memory back by trimming the heap (NOTE [ Session pool ] in tensorstash/_pool.py);
+pure-Python hooks (NOTE [ Fast path ] in tensorstash/core/_fastpath.py) and hands
+memory back by trimming the heap (NOTE [ Session pool ] in tensorstash/memory/_pool.py);
 ``tensorstash.info()`` says which extensions are active, and why not.
 
-The session pool (``tensorstash._alloc``) builds against the torch of the
+The session pool (``tensorstash.memory._alloc``) builds against the torch of the
 environment it is installed into, and is stamped with that torch's version,
 which it checks at import (rule 5). Under ``pip install --no-build-isolation``
 that torch is importable here. Under an isolated build (a plain ``pip install .``)
@@ -69,8 +69,8 @@ def _session_pool() -> list[Extension]:
     root = str(torch["root"])
     return [
         Extension(
-            "tensorstash._alloc",
-            sources=["tensorstash/_alloc.cpp"],
+            "tensorstash.memory._alloc",
+            sources=["tensorstash/memory/_alloc.cpp"],
             language="c++",
             include_dirs=[os.path.join(root, "include")],
             library_dirs=[os.path.join(root, "lib")],
@@ -89,8 +89,8 @@ def _session_pool() -> list[Extension]:
 setup(
     ext_modules=[
         Extension(
-            "tensorstash._fast",
-            sources=["tensorstash/_fast.c"],
+            "tensorstash.core._fast",
+            sources=["tensorstash/core/_fast.c"],
             optional=True,
             extra_compile_args=["-O2"],
         ),

@@ -9,7 +9,7 @@ resident set (Linux's ``VmHWM``, reset before the step, after
 ``gc.collect()`` and ``malloc_trim(0)``). Rounds after ``--warmup`` count;
 figures are medians of same-round ratios. Where the session pool is built,
 ``trim_every`` is its cap; ``TENSORSTASH_POOL=0`` in the environment measures the
-trimming instead (NOTE [ Session pool ] in tensorstash/_pool.py).
+trimming instead (NOTE [ Session pool ] in tensorstash/memory/_pool.py).
 
 Run: python benchmarks/auto_trim.py [--budget 0.5] [--trim none,64,48,32,16]
      [--rounds 12] [--warmup 2]

@@ -31,9 +31,9 @@ from torch import Tensor
 
 # Run from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tensorstash.compress import Compressed, Lz4
-from tensorstash.policy import Context
-from tensorstash.stats import StashStats
+from tensorstash.core.policy import Context
+from tensorstash.core.stats import StashStats
+from tensorstash.tiers.compress import Compressed, Lz4
 
 CHUNK = 1 << 20
 

@@ -12,7 +12,7 @@ eligible; Auto's default budget keeps it); ``Keep`` with the default
 less the median without hooks, per tensor (pack and unpack), and each is shown
 as a multiple of the identity hooks' cost. ``benchmarks/test_hooks.py`` is the
 pytest-benchmark version. ``TENSORSTASH_PURE_PYTHON=1`` in the environment measures
-the Python hooks (NOTE [ Fast path ] in tensorstash/_fastpath.py).
+the Python hooks (NOTE [ Fast path ] in tensorstash/core/_fastpath.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import tensorstash as ts
-from tensorstash import _fastpath
+from tensorstash.core import _fastpath
 
 Variant = Callable[[], contextlib.AbstractContextManager[Any]]
 

@@ -1,4 +1,4 @@
-"""The session pool against trimming the heap (NOTE [ Session pool ] in tensorstash/_pool.py).
+"""The session pool against trimming the heap (NOTE [ Session pool ] in memory/_pool.py).
 
 An HF GPT-2 config (4 layers, d=256, batch 4x128; needs transformers) on the
 CPU, 2 threads. Per round, interleaved (the order reversed every other round):
@@ -25,8 +25,8 @@ from gpt2_step import gpt2_step, median_ratio
 from torch import Tensor
 
 import tensorstash as ts
-from tensorstash import _pool
 from tensorstash.bench import PeakRss, return_free_memory
+from tensorstash.memory import _pool
 
 
 def main() -> None:

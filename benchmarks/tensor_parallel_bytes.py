@@ -7,7 +7,7 @@ Two gloo ranks on the CPU; ``Linear(256, 1024)``, GELU and ``Linear(1024,
 (64, 256) batch under each policy with ``min_bytes=0``. Rank 0 prints, per
 policy and rank, the bytes each tier holds (stored bytes in brackets where
 compression changed them) and the reasons tensors were kept untouched, from
-``tensorstash.distributed.gather_stats``.
+``tensorstash.integrations.distributed.gather_stats``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tensorstash as ts
-from tensorstash.distributed import gather_stats
+from tensorstash.integrations.distributed import gather_stats
 
 POLICIES = {
     "disk": lambda directory: ts.DiskSpill(directory=directory),

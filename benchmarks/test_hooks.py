@@ -24,7 +24,7 @@ import torch
 from conftest import Size, interleaved, record_ratio, run
 
 import tensorstash as ts
-from tensorstash.stash import DEFAULT_MIN_BYTES
+from tensorstash.session.stash import DEFAULT_MIN_BYTES
 
 ELEMENTS = {"small": 16, "eligible": DEFAULT_MIN_BYTES // 4}  # float32
 CASES = [("small", "none"), ("small", "keep"), ("eligible", "none"), ("eligible", "keep")]

@@ -31,8 +31,8 @@ from conftest import Size, interleaved, record_ratio, run
 from torch import Tensor
 
 import tensorstash as ts
-from tensorstash.policy import Context, Held
-from tensorstash.stats import StashStats
+from tensorstash.core.policy import Context, Held
+from tensorstash.core.stats import StashStats
 
 CHUNK = 1 << 20
 KINDS = ("random fp32", "relu fp32", "bool mask", "bf16")

@@ -2,7 +2,7 @@
 
 Every rank opens its own session around its forward; spills go to a private
 ``tensorstash-<pid>-*`` directory per process inside DIRECTORY, and
-``tensorstash.distributed.gather_stats`` brings the counters to rank 0.
+``tensorstash.integrations.distributed.gather_stats`` brings the counters to rank 0.
 
 Run: python examples/ddp.py [DIRECTORY]
 """
@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import tensorstash as ts
-from tensorstash.distributed import gather_stats
+from tensorstash.integrations.distributed import gather_stats
 
 WORLD = 2
 

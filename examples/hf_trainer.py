@@ -18,7 +18,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import tensorstash as ts
-from tensorstash.hf import StashTrainerCallback
+from tensorstash.integrations.hf import StashTrainerCallback
 
 
 class RandomTokens(torch.utils.data.Dataset):  # type: ignore[type-arg]

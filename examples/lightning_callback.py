@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import tensorstash as ts
-from tensorstash.lightning import StashCallback
+from tensorstash.integrations.lightning import StashCallback
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 

@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 from tensorstash.bench import Row, run_bench
-from tensorstash.stats import human_bytes
+from tensorstash.core.stats import human_bytes
 
 POLICIES = ["keep", "lz4", "disk", "auto:1MiB", "recompute", "checkpoint"]
 

@@ -18,7 +18,7 @@ import torch
 
 import tensorstash as ts
 from tensorstash.bench import CONFIGS, BenchGPT, make_batch
-from tensorstash.stats import human_bytes
+from tensorstash.core.stats import human_bytes
 
 BUDGET = 2 << 20  # 2 MiB: about a third of what the tiny bench model saves
 

@@ -8,18 +8,21 @@ Example:
     >>> print(session.stats.table())
 """
 
+from tensorstash import _aliases
 from tensorstash._info import info
-from tensorstash._verify import VerifyError
-from tensorstash.auto import Auto, Memory, Select
-from tensorstash.compress import Lz4
-from tensorstash.cpu import CpuOffload
-from tensorstash.disk import DiskSpill, SpillError
-from tensorstash.plan import Plan
-from tensorstash.policy import Chain, Context, Defer, Keep, Packed, Policy
-from tensorstash.profile import Profile
-from tensorstash.recompute import recompute, recompute_modules, unrecompute
-from tensorstash.stash import Session, pause, stash
-from tensorstash.stats import StashStats
+from tensorstash.core.policy import Chain, Context, Defer, Keep, Packed, Policy
+from tensorstash.core.stats import StashStats
+from tensorstash.planning.auto import Auto, Memory, Select
+from tensorstash.planning.plan import Plan
+from tensorstash.planning.profile import Profile
+from tensorstash.session._verify import VerifyError
+from tensorstash.session.stash import Session, pause, stash
+from tensorstash.tiers.compress import Lz4
+from tensorstash.tiers.cpu import CpuOffload
+from tensorstash.tiers.disk import DiskSpill, SpillError
+from tensorstash.tiers.recompute import recompute, recompute_modules, unrecompute
+
+_aliases.install()  # old import paths: tensorstash.disk, tensorstash.lightning, ...
 
 __all__ = [
     "Auto",

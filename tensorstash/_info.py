@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tensorstash import _fastpath, _pool
+from tensorstash.core import _fastpath
+from tensorstash.memory import _pool
 
 __all__ = ["Info", "info"]
 
@@ -23,11 +24,11 @@ class Info:
     Attributes:
         version: tensorstash's version.
         torch: the running torch's version.
-        fast_path: whether the session's kept path runs in C (``tensorstash._fast``;
+        fast_path: whether the session's kept path runs in C (``tensorstash.core._fast``;
             NOTE [ Fast path ] in _fastpath.py).
         fast_path_why: "active", or why not.
         pool: whether the session pool can serve sessions that free memory
-            (``tensorstash._alloc``; NOTE [ Session pool ] in _pool.py); where it
+            (``tensorstash.memory._alloc``; NOTE [ Session pool ] in _pool.py); where it
             cannot, they trim the heap.
         pool_why: "active", or why not.
     """
@@ -52,8 +53,8 @@ class Info:
         return "\n".join(
             [
                 f"tensorstash {self.version} (torch {self.torch})",
-                f"  C fast path (tensorstash._fast):   {fast}",
-                f"  session pool (tensorstash._alloc): {pool}",
+                f"  C fast path (tensorstash.core._fast):      {fast}",
+                f"  session pool (tensorstash.memory._alloc): {pool}",
             ]
         )
 
@@ -72,8 +73,8 @@ def info() -> Info:
         >>> import tensorstash as ts
         >>> print(ts.info())  # doctest: +SKIP
         tensorstash 0.1.0.dev0 (torch 2.13.0+cpu)
-          C fast path (tensorstash._fast):   active
-          session pool (tensorstash._alloc): active
+          C fast path (tensorstash.core._fast):      active
+          session pool (tensorstash.memory._alloc): active
     """
     from tensorstash import __version__
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import tensorstash as ts
-from tensorstash.stash import LEAF
+from tensorstash.session.stash import LEAF
 
 MiB = 1 << 20
 SKIPPED = ("parameter", "deduplicated", LEAF)
@@ -238,8 +238,8 @@ def test_auto_moves_device_tensors_by_host_memory_left(
 ) -> None:
     # A device tensor past the budget goes to the host as it is (the link is faster
     # than lz4), compressed under twice host_reserve, spilled under host_reserve.
-    from tensorstash.policy import Context
-    from tensorstash.stats import StashStats
+    from tensorstash.core.policy import Context
+    from tensorstash.core.stats import StashStats
 
     auto = ts.Auto(
         device_budget=MiB,
@@ -284,7 +284,7 @@ def test_auto_makes_no_tier_in_a_step_that_keeps_everything(
 
 def test_host_memory_reads_what_psutil_reads() -> None:
     psutil = pytest.importorskip("psutil")
-    from tensorstash.auto import host_memory
+    from tensorstash.planning.auto import host_memory
 
     available, total = host_memory()
     info = psutil.virtual_memory()
@@ -296,7 +296,7 @@ def test_device_memory_on_cuda_counts_what_the_caching_allocator_holds_unused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The driver sees the allocator's cached blocks as taken; they serve the next tensors.
-    from tensorstash.auto import device_memory
+    from tensorstash.planning.auto import device_memory
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (6 << 30, 140 << 30))
     stats = {

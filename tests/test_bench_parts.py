@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from tensorstash import bench
-from tensorstash._memory import PeakRss
 from tensorstash.bench import plot as _plot
 from tensorstash.bench.measure import StepResult
 from tensorstash.bench.rows import same_round_median, summarize
+from tensorstash.memory._memory import PeakRss
 
 MIB = 2**20
 
@@ -173,7 +173,7 @@ def test_a_step_on_cuda_begins_from_collected_garbage_and_a_kept_heap(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Rule 3 of NOTE [ Real memory ]: the heap is handed back only where RSS is measured.
-    from tensorstash import _memory
+    from tensorstash.memory import _memory
 
     trims: list[int] = []
     monkeypatch.setattr(_memory, "release_free_heap", lambda: trims.append(1))

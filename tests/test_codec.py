@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from tensorstash._codec import METHODS, Encoded, Stream, choose, decode, encode
-from tensorstash.compress import Compressed, Lz4
-from tensorstash.policy import Context
-from tensorstash.stats import StashStats
+from tensorstash.core.policy import Context
+from tensorstash.core.stats import StashStats
+from tensorstash.tiers._codec import METHODS, Encoded, Stream, choose, decode, encode
+from tensorstash.tiers.compress import Compressed, Lz4
 
 DTYPES = [*ALL_DTYPES, torch.complex128]
 CHUNKS = [8, 100, 1000, 4096, 512 * 1024]

@@ -132,7 +132,7 @@ def test_auto_plans_around_a_compiled_function_whose_forward_runs_with_grad_off(
     """A plan is made while the compiled graph's forward saves its tensors, with grad off
     there: the probe of a recomputed region's cost must not inherit that (it raised
     "element 0 of tensors does not require grad")."""
-    from tensorstash import _rates
+    from tensorstash.planning import _rates
 
     model = _model()
     fn = torch.compile(lambda x: model(x).square().mean(), backend="aot_eager")
@@ -287,7 +287,7 @@ def test_auto_plans_an_eager_model_as_before_in_a_process_that_compiled(
     sessions, grads = _train(model, eager, ts.Auto(device_budget=256 << 10), 5, profile)
     for got in grads:
         assert all(torch.equal(a, b) for a, b in zip(got, reference[0], strict=True))
-    from tensorstash import compiler
+    from tensorstash.planning import compiler
 
     assert compiler.known(profile).compiled is False
     plan = sessions[-1].plan

@@ -1,9 +1,9 @@
 """The search over the partitioner's settings (rule 5 of NOTE [ Compiled code ] in
-tensorstash/compiler.py), fed by hand: which setting each step runs at, and the plan."""
+tensorstash/planning/compiler.py), fed by hand: which setting each step runs at, and the plan."""
 
 from __future__ import annotations
 
-from tensorstash.compiler import EXPLORE, SETTINGS, TIE, CompiledSearch
+from tensorstash.planning.compiler import EXPLORE, SETTINGS, TIE, CompiledSearch
 
 MIB = 2**20
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tensorstash as ts
-from tensorstash.cpu import CpuOffload, Inflight, OnHost, PinnedPool
+from tensorstash.tiers.cpu import CpuOffload, Inflight, OnHost, PinnedPool
 
 
 class FakeEvent:

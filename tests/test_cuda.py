@@ -226,7 +226,7 @@ def test_cuda_auto_times_what_backward_spends_recomputing_the_plan() -> None:
 
 
 def test_cuda_verify_catches_a_corrupted_host_copy() -> None:
-    from tensorstash.cpu import OnHost
+    from tensorstash.tiers.cpu import OnHost
 
     x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
     gc.collect()

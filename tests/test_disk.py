@@ -21,9 +21,10 @@ import torch
 from checks import poll, spill_descriptors
 
 import tensorstash as ts
-from tensorstash import _spilldir, _trim, disk
-from tensorstash.policy import Context
-from tensorstash.stats import StashStats
+from tensorstash.core.policy import Context
+from tensorstash.core.stats import StashStats
+from tensorstash.memory import _trim
+from tensorstash.tiers import _spilldir, disk
 
 
 def spill_dirs(parent: Path) -> list[Path]:
@@ -64,7 +65,7 @@ def test_disk_spill_steps_count_their_growth_from_the_last_spill_steps_hand_back
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     floor = _trim.Floor()
-    monkeypatch.setattr("tensorstash.disk.FLOOR", floor)
+    monkeypatch.setattr("tensorstash.tiers.disk.FLOOR", floor)
     x = torch.randn(1 << 20, requires_grad=True)
     with ts.stash(ts.DiskSpill(tmp_path, trim_every=1), min_bytes=0):
         y = (x * 2).sin()  # writes one 4 MiB tensor
@@ -250,7 +251,7 @@ _FORK_SCRIPT = """
 import gc, multiprocessing, os, sys
 import torch
 import tensorstash as ts
-from tensorstash import disk
+from tensorstash.tiers import disk
 
 torch.set_num_threads(1)  # a fork after a multi-threaded OpenMP op hangs the child
 parent = sys.argv[1]

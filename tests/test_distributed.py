@@ -33,8 +33,8 @@ from checks import (
 from torch import Tensor, nn
 
 import tensorstash as ts
-from tensorstash import _modules
-from tensorstash.distributed import GatheredStats, gather_stats
+from tensorstash.integrations.distributed import GatheredStats, gather_stats
+from tensorstash.session import _modules
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),

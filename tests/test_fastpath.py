@@ -1,4 +1,4 @@
-"""The kept path in C (NOTE [ Fast path ] in tensorstash/_fastpath.py) against the Python one.
+"""The kept path in C (NOTE [ Fast path ] in tensorstash/core/_fastpath.py) against the Python one.
 
 Gradients are checked against plain autograd; the C hooks' counts are checked
 against the Python hooks' in the same process (the Python hooks are what the
@@ -23,7 +23,7 @@ from checks import assert_grads_equal, leak_check, run_case, top_saved_tensors_h
 from zoo import ZOO
 
 import tensorstash as ts
-from tensorstash import _fastpath
+from tensorstash.core import _fastpath
 
 compiled = _fastpath.compiled
 needs_c = pytest.mark.skipif(compiled is None, reason="the C extension is not built")
@@ -60,7 +60,7 @@ def test_extension_is_built_where_a_compiler_is() -> None:
     compiler = (sysconfig.get_config_var("CC") or "").split()
     if os.environ.get("TENSORSTASH_PURE_PYTHON") or not compiler or not shutil.which(compiler[0]):
         pytest.skip("no compiler here, or the extension is turned off")
-    assert compiled is not None, "tensorstash._fast was not built: reinstall with a C compiler"
+    assert compiled is not None, "tensorstash.core._fast was not built: reinstall with a C compiler"
 
 
 @needs_c

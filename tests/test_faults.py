@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from zoo import Case, mlp
 
 import tensorstash as ts
-from tensorstash import disk
+from tensorstash.tiers import disk
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -476,7 +476,7 @@ KILLED_CHILD = textwrap.dedent(
     import os, signal, sys, time
     import torch
     import tensorstash as ts
-    from tensorstash import disk
+    from tensorstash.tiers import disk
 
     parent = sys.argv[1]
     x = torch.randn(256, 256, requires_grad=True)

@@ -1,4 +1,4 @@
-"""tensorstash.hf.StashTrainerCallback in a real ``transformers.Trainer`` loop.
+"""tensorstash.integrations.hf.StashTrainerCallback in a real ``transformers.Trainer`` loop.
 
 The oracle is the same Trainer run without the callback: the final weights
 must be equal bit for bit (dropout on, so the RNG must not be disturbed).
@@ -22,7 +22,7 @@ import tensorstash as ts
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from tensorstash.hf import StashTrainerCallback  # noqa: E402
+from tensorstash.integrations.hf import StashTrainerCallback  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -360,9 +360,12 @@ def test_callback_rejects_bad_arguments(kwargs: dict[str, Any], error: type, mat
 
 def test_import_without_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)
-    monkeypatch.delitem(sys.modules, "tensorstash.hf")
+    for path in ("tensorstash.integrations.hf", "tensorstash.hf"):  # new and old path
+        monkeypatch.delitem(sys.modules, path, raising=False)
     with pytest.raises(ImportError, match=r"pip install tensorstash\[hf\]"):
         importlib.import_module("tensorstash.hf")
+    with pytest.raises(ImportError, match=r"pip install tensorstash\[hf\]"):
+        importlib.import_module("tensorstash.integrations.hf")
 
 
 def test_metrics_average_steps_and_keep_the_largest_peak() -> None:
@@ -390,7 +393,7 @@ def test_callback_auto_plans_a_compiled_model_through_the_compiler(tmp_path: Pat
     search runs steps at several settings, so no single setting's run is bitwise the same;
     SGD, whose weights move by the learning rate times the gradients' rounding; no dropout,
     as graphs compiled at other settings draw the RNG apart)."""
-    from tensorstash import compiler
+    from tensorstash.planning import compiler
 
     compile_args = {"torch_compile": True, "optim": "sgd", "max_steps": 8}
 

@@ -26,7 +26,7 @@ from checks import spill_descriptors
 from torch import Tensor
 
 import tensorstash as ts
-from tensorstash import disk
+from tensorstash.tiers import disk
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -24,7 +24,7 @@ pytest.importorskip("lightning")
 import lightning.pytorch as lp
 
 import tensorstash as ts
-from tensorstash.lightning import StashCallback
+from tensorstash.integrations.lightning import StashCallback
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
@@ -407,7 +407,7 @@ def test_callback_is_built_on_one_lightning_package() -> None:
 
 def test_pl_callback_trains_a_pytorch_lightning_trainer(spill_dir: Path) -> None:
     pl = pytest.importorskip("pytorch_lightning")
-    from tensorstash.lightning import PLStashCallback
+    from tensorstash.integrations.lightning import PLStashCallback
 
     assert issubclass(PLStashCallback, pl.Callback)
     assert not issubclass(PLStashCallback, lp.Callback)
@@ -446,9 +446,12 @@ def test_pl_callback_trains_a_pytorch_lightning_trainer(spill_dir: Path) -> None
 def test_import_without_lightning_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("lightning", "lightning.pytorch", "pytorch_lightning"):
         monkeypatch.setitem(sys.modules, name, None)  # an import of None raises ImportError
-    monkeypatch.delitem(sys.modules, "tensorstash.lightning")
+    for path in ("tensorstash.integrations.lightning", "tensorstash.lightning"):  # new and old path
+        monkeypatch.delitem(sys.modules, path, raising=False)
     with pytest.raises(ImportError, match=r"pip install tensorstash\[lightning\]"):
         importlib.import_module("tensorstash.lightning")
+    with pytest.raises(ImportError, match=r"pip install tensorstash\[lightning\]"):
+        importlib.import_module("tensorstash.integrations.lightning")
 
 
 # -- distributed ------------------------------------------------------------------------------
@@ -496,7 +499,7 @@ def test_callback_auto_plans_a_compiled_module_through_the_compiler() -> None:
     """Auto with a budget under what the compiled forward keeps asks the partitioner for
     less (NOTE [ Compiled code ]): no eager hook sees the compiled graph's tensors, and the
     weights are those of the compiled module trained alone."""
-    from tensorstash import compiler
+    from tensorstash.planning import compiler
 
     torch._dynamo.reset()
     try:

@@ -23,10 +23,10 @@ from torch.nn.modules import module as module_hooks
 from zoo import Block
 
 import tensorstash as ts
-from tensorstash import _pool
-from tensorstash.auto import TRIM_LEAST
-from tensorstash.plan import HOOK_S, Rates, make_plan, weighted_median
-from tensorstash.profile import ALREADY_RECOMPUTED, ModuleRecord, SiteRecord, StepRecord
+from tensorstash.memory import _pool
+from tensorstash.planning.auto import TRIM_LEAST
+from tensorstash.planning.plan import HOOK_S, Rates, make_plan, weighted_median
+from tensorstash.planning.profile import ALREADY_RECOMPUTED, ModuleRecord, SiteRecord, StepRecord
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -315,7 +315,7 @@ def test_plan_prices_what_each_recomputed_region_costs_beyond_its_recompute() ->
 
 
 def test_region_cost_is_probed_once_per_device() -> None:
-    from tensorstash import _rates
+    from tensorstash.planning import _rates
 
     device = torch.device("cpu")
     _rates._regions.pop(str(device), None)
@@ -416,7 +416,7 @@ def test_auto_sets_up_checkpointing_only_for_a_plan_that_recomputes_outside_its_
         sys.modules["tensorstash_test_set_up"] = types.ModuleType("tensorstash_test_set_up")
         return 10.0
 
-    monkeypatch.setattr("tensorstash.auto.warm_up", warm_up)
+    monkeypatch.setattr("tensorstash.planning.auto.warm_up", warm_up)
     monkeypatch.delitem(sys.modules, "tensorstash_test_set_up", raising=False)
     model = fresh()
     profile = ts.Profile(clock=clock)
@@ -436,7 +436,7 @@ def test_auto_sets_up_checkpointing_only_for_a_plan_that_recomputes_outside_its_
 def test_auto_probes_the_region_cost_only_where_a_plan_may_recompute_on_its_clock(
     monkeypatch: pytest.MonkeyPatch, clocked: bool
 ) -> None:
-    from tensorstash import _rates
+    from tensorstash.planning import _rates
 
     probed: list[torch.device] = []
     monkeypatch.setattr(_rates, "region_cost", lambda device: probed.append(device) or (0, 0))
@@ -1313,7 +1313,7 @@ def test_profile_records_what_each_step_faulted_in() -> None:
 
 
 def test_refault_probe_measures_a_rate() -> None:
-    from tensorstash import _rates
+    from tensorstash.planning import _rates
 
     assert _rates.refault_rate() > 0
 
@@ -1343,7 +1343,7 @@ def test_plan_hands_memory_back_only_where_it_frees_enough() -> None:
     """``trim_every="auto"``: a plan holding more than RETURNS_BELOW of the activation bytes
     hands nothing back (the pages faulted in again cost more than it frees); one holding
     less does, and is priced for it; ``trims=True`` (a size the user gave) always does."""
-    from tensorstash.plan import RETURNS_BELOW
+    from tensorstash.planning.plan import RETURNS_BELOW
 
     profile = two_blocks(cheap_s=0.002, dear_s=0.008)  # 16 MiB of activations
     rates = Rates(refault=8 * MiB / 0.01)
@@ -1373,7 +1373,7 @@ def test_auto_watches_a_planned_cpu_step_where_its_plan_hands_memory_back(
     """With the session pool every plan that saves bytes hands them back; trimming (where
     the pool is not built, or another allocator holds the CPU), only a plan that holds
     at most ``RETURNS_BELOW`` of the activation bytes, every three quarters of them."""
-    import tensorstash.auto as auto_module
+    import tensorstash.planning.auto as auto_module
 
     pooled = pool == "leased"
     if pool == "not built":

@@ -1,4 +1,4 @@
-"""The session pool (NOTE [ Session pool ] in tensorstash/_pool.py)."""
+"""The session pool (NOTE [ Session pool ] in tensorstash/memory/_pool.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import tensorstash as ts
-from tensorstash import _pool
+from tensorstash.memory import _pool
 
 MiB = 1 << 20
 
@@ -273,7 +273,7 @@ _RAW_RACE = """
 import threading, time
 import torch
 from torch import nn
-from tensorstash import _pool
+from tensorstash.memory import _pool
 torch.set_num_threads(1)
 torch.manual_seed(0)
 lstm = nn.LSTM(32, 64, num_layers=2, batch_first=True)
@@ -394,5 +394,5 @@ def test_pool_is_off_under_tensorstash_pool_0_and_info_says_why() -> None:
     assert module is None and "TENSORSTASH_POOL=0" in why
     found = ts.info()
     assert found.pool and found.pool_why == "active"
-    assert "session pool (tensorstash._alloc): active" in str(found)
+    assert "session pool (tensorstash.memory._alloc): active" in str(found)
     assert "session pool on" in found.line() and "\n" not in found.line()

@@ -1,5 +1,5 @@
 """The session pool under the programs it must be safe in (NOTE [ Session pool ] in
-tensorstash/_pool.py): threads, fork, DataLoader workers, oneDNN, inductor, spawn,
+tensorstash/memory/_pool.py): threads, fork, DataLoader workers, oneDNN, inductor, spawn,
 another torch, and another library's CPU allocator.
 
 Each case runs in a process of its own: the pool is PyTorch's CPU allocator for the
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensorstash import _pool
+from tensorstash.memory import _pool
 
 pytestmark = [
     pytest.mark.slow,
@@ -163,7 +163,7 @@ import gc, os, sys, tempfile, threading, time
 import torch
 from torch import nn
 import tensorstash as ts
-from tensorstash import _pool
+from tensorstash.memory import _pool
 MiB = 1 << 20
 
 def spilled_step_matches(model, x, directory, **kwargs):
@@ -383,7 +383,7 @@ def test_a_spawned_process_gets_a_pool_of_its_own() -> None:
             import torch
             from torch import nn
             import tensorstash as ts
-            from tensorstash import _pool
+            from tensorstash.memory import _pool
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
             x = torch.randn(1024, 256)
@@ -399,7 +399,7 @@ def test_a_spawned_process_gets_a_pool_of_its_own() -> None:
 
         if __name__ == "__main__":
             import tensorstash
-            lease = tensorstash._pool.lease(1 << 20)  # the parent serves while it spawns
+            lease = tensorstash.memory._pool.lease(1 << 20)  # the parent serves while it spawns
             context = mp.get_context("spawn")
             queue = context.Queue()
             process = context.Process(target=child, args=(queue,))
@@ -424,7 +424,7 @@ def test_an_extension_built_for_another_torch_falls_back_to_trimming_with_one_wa
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             import tensorstash as ts
-            from tensorstash import _pool
+            from tensorstash.memory import _pool
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
             x = torch.randn(1024, 256)
@@ -474,7 +474,7 @@ def test_the_pool_stays_out_where_another_allocator_came_first(foreign: Path) ->
         thread = threading.Thread(target=run)
         thread.start()
         import tensorstash as ts
-        from tensorstash import _pool
+        from tensorstash.memory import _pool
         with tempfile.TemporaryDirectory() as d:
             for _ in range(20):
                 with ts.stash(ts.DiskSpill(d, trim_every=1 << 16), min_bytes=0):
@@ -500,7 +500,7 @@ def test_an_allocator_installed_after_the_pool_displaces_it_for_good(foreign: Pa
         import torch
         from torch import nn
         import tensorstash as ts
-        from tensorstash import _pool
+        from tensorstash.memory import _pool
         import _foreign
         MiB = 1 << 20
         lease = _pool.lease(4 * MiB)
@@ -532,7 +532,7 @@ _RACE = """
 import threading, time
 import torch
 from torch import nn
-from tensorstash import _pool
+from tensorstash.memory import _pool
 torch.set_num_threads(1)
 lstm = nn.LSTM(16, 32, batch_first=True)
 x = torch.randn(4, 20, 16)

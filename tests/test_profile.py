@@ -14,7 +14,7 @@ from torch import nn
 from zoo import Block
 
 import tensorstash as ts
-from tensorstash.profile import HISTORY, PEAK_SAMPLES, QUIET_TIMED_EVERY
+from tensorstash.planning.profile import HISTORY, PEAK_SAMPLES, QUIET_TIMED_EVERY
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -78,7 +78,7 @@ def test_profile_step_whose_backward_runs_on_another_thread_stops_observing_modu
 ) -> None:
     """On CUDA the first unpack, where a step stops observing modules, runs on the
     autograd engine's device thread: the step must leave the training thread's observers."""
-    from tensorstash import _modules
+    from tensorstash.session import _modules
 
     model, profile = net(), ts.Profile()
     for _ in range(3):
@@ -275,7 +275,7 @@ def test_profile_takes_no_peak_in_a_step_that_imports_and_takes_it_in_the_next()
 def test_profile_module_times_from_a_cold_step_count_only_until_a_warm_one() -> None:
     from collections import deque
 
-    from tensorstash.profile import ModuleRecord, _median_modules
+    from tensorstash.planning.profile import ModuleRecord, _median_modules
 
     def timed(seconds: float) -> dict[str, ModuleRecord]:
         return {"a": ModuleRecord(calls=1, forward_s=seconds)}
@@ -335,7 +335,7 @@ def test_profile_measures_both_steps_after_a_batch_of_another_shape() -> None:
 def test_lz4_reuses_the_encoding_a_profile_carries_from_the_last_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from tensorstash import _codec
+    from tensorstash.tiers import _codec
 
     trials: list[str] = []
     choose = _codec.choose
@@ -518,8 +518,8 @@ def test_profile_without_memory_measures_no_step_for_a_new_plans_peak() -> None:
 def test_held_bytes_count_the_host_tier_only_where_the_host_is_the_device() -> None:
     # A step's real peak on CUDA holds what stayed on the device; on the CPU the
     # host tier's bytes (compressed, or waiting for the disk writer) are in its RAM too.
-    from tensorstash.profile import device_held
-    from tensorstash.stats import StashStats
+    from tensorstash.core.stats import StashStats
+    from tensorstash.planning.profile import device_held
 
     stats = StashStats()
     stats.tiers["kept"].live_bytes = 3 << 20

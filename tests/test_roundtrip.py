@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tensorstash as ts
-from tensorstash._layout import describe, rebuild, unfilled, without_fill
-from tensorstash.policy import Context, Held
-from tensorstash.stats import StashStats
+from tensorstash.core._layout import describe, rebuild, unfilled, without_fill
+from tensorstash.core.policy import Context, Held
+from tensorstash.core.stats import StashStats
 
 DTYPES = ALL_DTYPES
 

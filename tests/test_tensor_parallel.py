@@ -38,7 +38,7 @@ from checks import (
 from torch import Tensor, nn
 
 import tensorstash as ts
-from tensorstash.distributed import gather_stats
+from tensorstash.integrations.distributed import gather_stats
 
 pytestmark = [
     pytest.mark.skipif(

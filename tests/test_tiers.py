@@ -16,11 +16,11 @@ import torch
 from torch import Tensor
 
 import tensorstash as ts
-from tensorstash import _codec
-from tensorstash._buffers import BufferPool
-from tensorstash._layout import Layout, describe, memory, rebuild
-from tensorstash._trim import Floor, Trimmer, Watch, find_allocator, resident_bytes
-from tensorstash.policy import Context, Packed, Spillable
+from tensorstash.core._layout import Layout, describe, memory, rebuild
+from tensorstash.core.policy import Context, Packed, Spillable
+from tensorstash.memory._trim import Floor, Trimmer, Watch, find_allocator, resident_bytes
+from tensorstash.tiers import _codec
+from tensorstash.tiers._buffers import BufferPool
 
 
 def _payloads() -> dict[str, tuple[Tensor, torch.dtype]]:

@@ -20,8 +20,8 @@ from torch import nn
 from zoo import ZOO
 
 import tensorstash as ts
-from tensorstash._verify import _sums, checksum
-from tensorstash.policy import Context, Held
+from tensorstash.core.policy import Context, Held
+from tensorstash.session._verify import _sums, checksum
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -22,7 +22,6 @@ The modules, each importing only those above it:
   trained alone in a fresh process.
 """
 
-from tensorstash._memory import CudaPeak, PeakRss, return_free_memory
 from tensorstash.bench.compiled import COMPILE_PEERS, COMPILE_PREFIX, compile_budget
 from tensorstash.bench.measure import DTYPES, StepResult, StepRunner, resolve_device, resolve_dtype
 from tensorstash.bench.model import (
@@ -64,6 +63,7 @@ from tensorstash.bench.workloads import (
     WorkloadUnavailable,
     builtin_workload,
 )
+from tensorstash.memory._memory import CudaPeak, PeakRss, return_free_memory
 
 __all__ = [
     "ALL_POLICIES",

@@ -38,13 +38,13 @@ from typing import Any
 
 import torch
 
-from tensorstash._memory import PeakRss, current_rss, return_free_memory
-from tensorstash._trim import ALLOCATOR
 from tensorstash.bench.measure import StepRunner
 from tensorstash.bench.report import dtype_text, threads_text
 from tensorstash.bench.variants import BASELINE
 from tensorstash.bench.workloads import checked_loss
-from tensorstash.stats import human_bytes
+from tensorstash.core.stats import human_bytes
+from tensorstash.memory._memory import PeakRss, current_rss, return_free_memory
+from tensorstash.memory._trim import ALLOCATOR
 
 LEARNING = 5
 """Steps an Auto profile may still be learning in (its first measures with everything

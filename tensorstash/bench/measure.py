@@ -15,11 +15,11 @@ import torch
 from torch import Tensor
 
 import tensorstash as ts
-from tensorstash._memory import meter, return_free_memory
 from tensorstash.bench.compiled import CompiledForwards, graphs_compiled
 from tensorstash.bench.timeline import Timeline
 from tensorstash.bench.variants import BASELINE, NO_PLAN, variant_context
 from tensorstash.bench.workloads import Workload, checked_loss, to_device
+from tensorstash.memory._memory import meter, return_free_memory
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """``--dtype``: float32, or the forward under bfloat16 autocast (weights stay float32)."""

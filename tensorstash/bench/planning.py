@@ -15,8 +15,8 @@ import torch
 from tensorstash.bench.measure import StepResult, StepRunner
 from tensorstash.bench.variants import AUTO_PREFIX, budget_bytes
 from tensorstash.bench.workloads import Workload
-from tensorstash.plan import Plan
-from tensorstash.stats import human_bytes
+from tensorstash.core.stats import human_bytes
+from tensorstash.planning.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from tensorstash._trim import ALLOCATOR
 from tensorstash.bench.rows import Row, pareto_front
 from tensorstash.bench.variants import is_relative
-from tensorstash.stats import TIERS, human_bytes
+from tensorstash.core.stats import TIERS, human_bytes
+from tensorstash.memory._trim import ALLOCATOR
 
 _HEADERS = (
     "policy",

@@ -92,7 +92,6 @@ from pathlib import Path
 
 import torch
 
-from tensorstash._layout import without_fill
 from tensorstash.bench.compiled import COMPILE_PEERS, COMPILE_PREFIX, compiled_run
 from tensorstash.bench.measure import (
     DTYPES,
@@ -117,6 +116,7 @@ from tensorstash.bench.variants import (
     skip_reason,
 )
 from tensorstash.bench.workloads import Workload, builtin_workload
+from tensorstash.core._layout import without_fill
 
 Progress = Callable[[str], None]
 """Called with the variant's name after every step."""

@@ -14,7 +14,7 @@ from typing import Any
 
 from tensorstash.bench.measure import StepResult
 from tensorstash.bench.variants import AUTO_PREFIX
-from tensorstash.stats import TIERS
+from tensorstash.core.stats import TIERS
 
 NAN = float("nan")
 

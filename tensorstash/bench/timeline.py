@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tensorstash._memory import real_memory_now
+from tensorstash.memory._memory import real_memory_now
 
 TIMELINE_TIERS = ("kept", "host", "disk")
 

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 import tensorstash as ts
-from tensorstash.auto import parse_bytes
 from tensorstash.bench.compiled import COMPILE_PREFIX, compile_budget
 from tensorstash.bench.workloads import Workload
+from tensorstash.planning.auto import parse_bytes
 
 # Policies handed to ts.stash, by bench name; factories so each step gets a fresh value.
 STASH_POLICIES: dict[str, Callable[[], Any]] = {

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tensorstash._reasons import SUBCLASS, Reason, Why, reason
+from tensorstash.core._reasons import SUBCLASS, Reason, Why, reason
 
 _DTENSOR = "torch.distributed.tensor._api"
 _COLLECTIVES = "torch.distributed._functional_collectives"

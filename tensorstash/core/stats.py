@@ -8,8 +8,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tensorstash._fastpath import compiled
-from tensorstash._reasons import Reason, Why
+from tensorstash.core._fastpath import compiled
+from tensorstash.core._reasons import Reason, Why
 
 Tier = Literal["kept", "host", "disk"]
 TIERS: tuple[Tier, ...] = ("kept", "host", "disk")

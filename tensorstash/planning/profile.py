@@ -129,11 +129,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from tensorstash import _modules, _pool
-from tensorstash._memory import CudaPeak, PeakRss, faulted_since, meter, minor_faults
-from tensorstash._timers import CpuTimer, CudaTimer
-from tensorstash._trim import release_free_heap
-from tensorstash.recompute import (
+from tensorstash.core._timers import CpuTimer, CudaTimer
+from tensorstash.core.stats import StashStats
+from tensorstash.memory import _pool
+from tensorstash.memory._memory import CudaPeak, PeakRss, faulted_since, meter, minor_faults
+from tensorstash.memory._trim import release_free_heap
+from tensorstash.session import _modules
+from tensorstash.tiers.recompute import (
     drop_recompute_seconds,
     drop_user_recompute_seconds,
     in_plan_region,
@@ -142,7 +144,6 @@ from tensorstash.recompute import (
     take_user_recompute_seconds,
     use_clock,
 )
-from tensorstash.stats import StashStats
 
 STATE_VERSION = 3
 """The format of :meth:`Profile.state_dict`."""

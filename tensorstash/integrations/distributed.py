@@ -9,7 +9,7 @@ Example:
     >>> with tensorstash.stash("lz4") as session:
     ...     loss = ddp_model(batch).sum()
     >>> loss.backward()
-    >>> gathered = tensorstash.distributed.gather_stats(session.stats)
+    >>> gathered = tensorstash.integrations.distributed.gather_stats(session.stats)
     >>> if gathered is not None:  # rank 0
     ...     print(gathered.table())
 """
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tensorstash._layout import memory
-from tensorstash.stash import Session
-from tensorstash.stats import TIERS, StashStats, human_bytes
+from tensorstash.core._layout import memory
+from tensorstash.core.stats import TIERS, StashStats, human_bytes
+from tensorstash.session.stash import Session
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def gather_stats(
         TypeError: ``stats`` is neither a StashStats nor a stash session.
 
     Example:
-        >>> gathered = tensorstash.distributed.gather_stats(session.stats)
+        >>> gathered = tensorstash.integrations.distributed.gather_stats(session.stats)
         >>> if gathered is not None:
         ...     print(gathered.table())
     """

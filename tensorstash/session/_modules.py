@@ -49,7 +49,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
-from tensorstash import _dtensor
+from tensorstash.session import _dtensor
 
 _COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
 _local = threading.local()

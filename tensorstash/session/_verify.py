@@ -23,7 +23,7 @@ import zlib
 import torch
 from torch import Tensor
 
-from tensorstash._layout import memory
+from tensorstash.core._layout import memory
 
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

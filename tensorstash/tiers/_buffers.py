@@ -30,7 +30,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from tensorstash._trim import whole_pages
+from tensorstash.memory._trim import whole_pages
 
 _FLAGS = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0) | getattr(mmap, "MAP_POPULATE", 0)
 

@@ -1,4 +1,4 @@
-/* The session's kept path in C: see NOTE [ Fast path ] in tensorstash/_fastpath.py.
+/* The session's kept path in C: see NOTE [ Fast path ] in tensorstash/core/_fastpath.py.
  *
  * Three types, each with a pure-Python twin that behaves the same:
  *   HotCounts  the counts the pack hook keeps without a lock (stats.HotCounts);
@@ -130,7 +130,7 @@ static PyMemberDef Hot_members[] = {
 
 static PyTypeObject HotType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "tensorstash._fast.HotCounts",
+    .tp_name = "tensorstash.core._fast.HotCounts",
     .tp_basicsize = sizeof(HotObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "What the pack hook counts without a lock (see stats.HotCounts).",
@@ -246,7 +246,7 @@ static PyMemberDef Kept_members[] = {
 
 static PyTypeObject KeptType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "tensorstash._fast.Kept",
+    .tp_name = "tensorstash.core._fast.Kept",
     .tp_basicsize = sizeof(KeptObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A tensor kept where it is, as autograd holds it (see stash._Kept).",
@@ -641,7 +641,7 @@ static PyMemberDef Hooks_members[] = {
 
 static PyTypeObject HooksType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "tensorstash._fast.Hooks",
+    .tp_name = "tensorstash.core._fast.Hooks",
     .tp_basicsize = sizeof(HooksObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "A session's pack and unpack hooks, the kept path in C.",
@@ -658,8 +658,8 @@ static PyTypeObject HooksType = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "tensorstash._fast",
-    .m_doc = "The session's kept path in C (NOTE [ Fast path ] in tensorstash/_fastpath.py).",
+    .m_name = "tensorstash.core._fast",
+    .m_doc = "The session's kept path in C (NOTE [ Fast path ] in tensorstash/core/_fastpath.py).",
     .m_size = -1,
 };
 

@@ -66,7 +66,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tensorstash._timers import CpuTimer, CudaTimer
+from tensorstash.core._timers import CpuTimer, CudaTimer
 
 F = TypeVar("F", bound=Callable[..., Any])
 M = TypeVar("M", bound=nn.Module)

@@ -22,7 +22,7 @@ from typing import Any
 import lz4.block
 import torch
 
-from tensorstash._layout import memory
+from tensorstash.core._layout import memory
 
 PROBE_BYTES = 4 << 20
 REUSE_S = 30.0

@@ -124,23 +124,9 @@ import torch
 import xxhash
 from torch import Tensor
 
-from tensorstash import _pool
-from tensorstash._buffers import POOL
-from tensorstash._layout import Layout, memory
-from tensorstash._reasons import Reason, Why, reason
-from tensorstash._spilldir import (
-    SpillDirectory,
-    check_directory,
-    filesystem,
-    hold,
-    probe,
-    remove_directories,
-    remove_stale,
-    spill_directory,
-    warn_if_ram_backed,
-)
-from tensorstash._trim import FLOOR, PAGE_SIZE, Trimmer, whole_pages
-from tensorstash.policy import (
+from tensorstash.core._layout import Layout, memory
+from tensorstash.core._reasons import Reason, Why, reason
+from tensorstash.core.policy import (
     Context,
     Held,
     HostBytes,
@@ -153,7 +139,21 @@ from tensorstash.policy import (
     to_host,
     without_frames,
 )
-from tensorstash.stats import Tier
+from tensorstash.core.stats import Tier
+from tensorstash.memory import _pool
+from tensorstash.memory._trim import FLOOR, PAGE_SIZE, Trimmer, whole_pages
+from tensorstash.tiers._buffers import POOL
+from tensorstash.tiers._spilldir import (
+    SpillDirectory,
+    check_directory,
+    filesystem,
+    hold,
+    probe,
+    remove_directories,
+    remove_stale,
+    spill_directory,
+    warn_if_ram_backed,
+)
 
 __all__ = [
     "DiskSpill",
@@ -805,7 +805,7 @@ def _spillable(value: Tensor | Packed) -> tuple[Any, Holds, Tier]:
     raise TypeError(
         f"tensorstash.DiskSpill: cannot spill a {type(value).__name__}: a stage before "
         "DiskSpill must pack to a value with spill_buffers and from_buffers "
-        "(NOTE [ Tiers ] in tensorstash/policy.py)"
+        "(NOTE [ Tiers ] in tensorstash/core/policy.py)"
     )
 
 

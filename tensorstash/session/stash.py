@@ -26,7 +26,7 @@ this order:
    call site when the session has a profile; a plain policy is used as it is.
    What is kept costs a small record and a count (:class:`_Kept`); what a
    policy packs is held with its policy (:class:`_Saved`).
-5. Recent window. A tensor whose choice is :class:`~tensorstash.policy.Defer`
+5. Recent window. A tensor whose choice is :class:`~tensorstash.core.policy.Defer`
    waits, kept, in the window until newer tensors push it out (NOTE
    [ Recent window ], :class:`_RecentWindow`).
 6. Order. Each value remembers (weakly) the packed value before it; backward
@@ -81,7 +81,7 @@ this order:
 Backward starts with the tensors saved last (the output head, the loss):
 moving them out only makes backward wait for them to come back. A selector
 that cannot know which tensors come last (Auto in a first step, before its
-Profile has seen a backward) returns :class:`~tensorstash.policy.Defer`: the
+Profile has seen a backward) returns :class:`~tensorstash.core.policy.Defer`: the
 session keeps the tensor and puts it in a window; when the window holds more
 than ``Defer.window`` bytes saved after its oldest entry, that entry is packed
 with its deferred policy (its ``_Saved`` switches to the new packed value, the
@@ -105,19 +105,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tensorstash import _dtensor, _modules, _reasons, compiler
-from tensorstash._fastpath import compiled
-from tensorstash._names import POLICIES
-from tensorstash._names import resolve as _resolve
-from tensorstash._reasons import Reason, Why, reason
-from tensorstash._verify import check, checksum
-from tensorstash.auto import Auto
-from tensorstash.disk import SpillError
-from tensorstash.plan import Plan
-from tensorstash.policy import Context, Defer, Held, Keep, Packed, Policy, bug, nbytes_of
-from tensorstash.profile import Profile, SiteRecord
-from tensorstash.recompute import saving_plan_inputs
-from tensorstash.stats import Decision, HotCounts, StashStats
+from tensorstash.core import _reasons
+from tensorstash.core._fastpath import compiled
+from tensorstash.core._reasons import Reason, Why, reason
+from tensorstash.core.policy import Context, Defer, Held, Keep, Packed, Policy, bug, nbytes_of
+from tensorstash.core.stats import Decision, HotCounts, StashStats
+from tensorstash.planning import compiler
+from tensorstash.planning.auto import Auto
+from tensorstash.planning.plan import Plan
+from tensorstash.planning.profile import Profile, SiteRecord
+from tensorstash.session import _dtensor, _modules
+from tensorstash.session._verify import check, checksum
+from tensorstash.tiers._names import POLICIES
+from tensorstash.tiers._names import resolve as _resolve
+from tensorstash.tiers.disk import SpillError
+from tensorstash.tiers.recompute import saving_plan_inputs
 
 DEFAULT_MIN_BYTES = 64 * 1024
 """Tensors smaller than this are kept: moving them costs more time than the bytes are worth."""
@@ -184,7 +186,7 @@ class _PyKept:
     """A tensor a policy kept where it is, as autograd holds it (rules 4 and 7).
 
     Freed on any thread (backward runs on a device's thread), it posts its
-    bytes to the session's :class:`~tensorstash.stats.HotCounts`. The C
+    bytes to the session's :class:`~tensorstash.core.stats.HotCounts`. The C
     extension's ``Kept`` is the same (NOTE [ Fast path ] in _fastpath.py).
     """
 
@@ -987,7 +989,7 @@ class Session(contextlib.ContextDecorator):
     def plan(self) -> Plan | None:
         """The plan this session followed (``Auto`` with a profile, from step two), or None.
 
-        See :class:`~tensorstash.plan.Plan`: the modules recomputed, each site's
+        See :class:`~tensorstash.planning.plan.Plan`: the modules recomputed, each site's
         tier, the predicted step time and real peak; ``plan.table()`` for people.
         """
         if self._compiled_plan is not None:

@@ -55,7 +55,7 @@ except ImportError:  # not on Windows
 import psutil
 import torch
 
-from tensorstash._trim import PAGE_SIZE, release_free_heap, resident_bytes
+from tensorstash.memory._trim import PAGE_SIZE, release_free_heap, resident_bytes
 
 
 def current_rss() -> int:

@@ -48,11 +48,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tensorstash.auto import Auto
-from tensorstash.policy import Policy
-from tensorstash.profile import Profile
-from tensorstash.stash import DEFAULT_MIN_BYTES, Session, resolve, stash
-from tensorstash.stats import StashStats
+from tensorstash.core.policy import Policy
+from tensorstash.core.stats import StashStats
+from tensorstash.planning.auto import Auto
+from tensorstash.planning.profile import Profile
+from tensorstash.session.stash import DEFAULT_MIN_BYTES, Session, resolve, stash
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from tensorstash.compress import Lz4
-from tensorstash.cpu import CpuOffload
-from tensorstash.disk import DiskSpill
-from tensorstash.policy import Keep, Policy
+from tensorstash.core.policy import Keep, Policy
+from tensorstash.tiers.compress import Lz4
+from tensorstash.tiers.cpu import CpuOffload
+from tensorstash.tiers.disk import DiskSpill
 
 POLICIES: Mapping[str, Callable[[], Any]] = {
     "keep": Keep,

@@ -1,7 +1,7 @@
 """Lz4: lossless compression of saved tensors' bytes in host memory, on worker threads.
 
 # NOTE [ Compression ]
-The stage runs any :class:`~tensorstash._codec.Codec` (rule 1 of NOTE
+The stage runs any :class:`~tensorstash.tiers._codec.Codec` (rule 1 of NOTE
 [ Tiers ] in policy.py) through :func:`pack_with` and :func:`unpack_with`;
 :class:`Lz4` is the stage with ``_codec``'s lz4 encodings.
 
@@ -34,10 +34,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from tensorstash import _codec
-from tensorstash._layout import Layout, unfilled
-from tensorstash._reasons import Reason, Why, reason
-from tensorstash.policy import (
+from tensorstash.core._layout import Layout, unfilled
+from tensorstash.core._reasons import Reason, Why, reason
+from tensorstash.core.policy import (
     Context,
     HostBytes,
     Packed,
@@ -48,7 +47,8 @@ from tensorstash.policy import (
     from_host,
     to_host,
 )
-from tensorstash.stats import Tier
+from tensorstash.core.stats import Tier
+from tensorstash.tiers import _codec
 
 
 @dataclass(eq=False, slots=True, weakref_slot=True)

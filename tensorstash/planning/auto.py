@@ -61,19 +61,22 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from tensorstash import _modules, _pool, _rates, _reasons
-from tensorstash._memory import host_ram
-from tensorstash._names import resolve
-from tensorstash._reasons import Reason, Why, reason
-from tensorstash._trim import Watch
-from tensorstash.compress import Lz4
-from tensorstash.cpu import CpuOffload
-from tensorstash.disk import DiskSpill, check_directory
-from tensorstash.plan import RETURNS_BELOW, Plan, Rates, make_plan
-from tensorstash.policy import Chain, Context, Defer, Keep, Policy
-from tensorstash.profile import signature
-from tensorstash.recompute import unwrap_for_plan, warm_up, wrap_for_plan
-from tensorstash.stats import StashStats, Tier, human_bytes
+from tensorstash.core import _reasons
+from tensorstash.core._reasons import Reason, Why, reason
+from tensorstash.core.policy import Chain, Context, Defer, Keep, Policy
+from tensorstash.core.stats import StashStats, Tier, human_bytes
+from tensorstash.memory import _pool
+from tensorstash.memory._memory import host_ram
+from tensorstash.memory._trim import Watch
+from tensorstash.planning import _rates
+from tensorstash.planning.plan import RETURNS_BELOW, Plan, Rates, make_plan
+from tensorstash.planning.profile import signature
+from tensorstash.session import _modules
+from tensorstash.tiers._names import resolve
+from tensorstash.tiers.compress import Lz4
+from tensorstash.tiers.cpu import CpuOffload
+from tensorstash.tiers.disk import DiskSpill, check_directory
+from tensorstash.tiers.recompute import unwrap_for_plan, warm_up, wrap_for_plan
 
 _HOST = torch.device("cpu")
 
@@ -122,7 +125,7 @@ def _current(stats: dict[str, Any], name: str) -> int:
 
 
 def host_memory(device: torch.device | None = None) -> tuple[int, int]:
-    """Available and total bytes of host RAM (:func:`~tensorstash._memory.host_ram`)."""
+    """Available and total bytes of host RAM (:func:`~tensorstash.memory._memory.host_ram`)."""
     return host_ram()
 
 

@@ -43,11 +43,11 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from tensorstash.auto import Auto
-from tensorstash.policy import Policy
-from tensorstash.profile import Profile
-from tensorstash.stash import DEFAULT_MIN_BYTES, Session, resolve, stash
-from tensorstash.stats import StashStats
+from tensorstash.core.policy import Policy
+from tensorstash.core.stats import StashStats
+from tensorstash.planning.auto import Auto
+from tensorstash.planning.profile import Profile
+from tensorstash.session.stash import DEFAULT_MIN_BYTES, Session, resolve, stash
 
 _INSTALL = "pip install tensorstash[lightning]"
 

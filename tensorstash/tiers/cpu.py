@@ -49,8 +49,8 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import Tensor
 
-from tensorstash._layout import Layout, describe, rebuild, unfilled
-from tensorstash.policy import Context, Held, HostBytes, Packed, bug, finalize, nbytes_of
+from tensorstash.core._layout import Layout, describe, rebuild, unfilled
+from tensorstash.core.policy import Context, Held, HostBytes, Packed, bug, finalize, nbytes_of
 
 
 class _Event(Protocol):

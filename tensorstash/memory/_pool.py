@@ -132,7 +132,7 @@ _STATES = {
 def load(
     environ: Mapping[str, str] = os.environ,
     torch_version: str = torch.__version__,
-    name: str = "tensorstash._alloc",
+    name: str = "tensorstash.memory._alloc",
 ) -> tuple[ModuleType | None, str]:
     """Load and install the session pool (rules 4 and 5): the extension and "active",
     or None and why not. Warns once where the extension was built for another torch."""

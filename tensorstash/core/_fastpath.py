@@ -42,6 +42,6 @@ if os.environ.get("TENSORSTASH_PURE_PYTHON", "") not in ("", "0"):
     compiled = None
 else:
     try:
-        from tensorstash import _fast as compiled
+        from tensorstash.core import _fast as compiled
     except ImportError:  # built without a compiler: the Python hooks (rule 6)
         compiled = None

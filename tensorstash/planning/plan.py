@@ -179,7 +179,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tensorstash.profile import (
+from tensorstash.core.stats import human_bytes
+from tensorstash.planning.profile import (
     ALREADY_RECOMPUTED,
     ModuleRecord,
     Profile,
@@ -187,7 +188,6 @@ from tensorstash.profile import (
     SiteRecord,
     StepRecord,
 )
-from tensorstash.stats import human_bytes
 
 Tier = Literal["keep", "host", "compressed", "disk"]
 

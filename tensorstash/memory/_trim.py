@@ -214,7 +214,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tensorstash._pool import Lease
+    from tensorstash.memory._pool import Lease
 
 Release = Callable[[], object]
 

@@ -22,7 +22,7 @@ that owns its resources. Policies compose as stages of a :class:`Chain`:
 # NOTE [ Tiers ]
 Stages meet through two protocols, never through each other's fields:
 
-1. A codec (:class:`tensorstash._codec.Codec`) turns a tensor's host bytes
+1. A codec (:class:`tensorstash.tiers._codec.Codec`) turns a tensor's host bytes
    into an ``Encoded`` value of plain byte buffers and back; the compression
    stage (compress.py) runs any codec on the session's workers.
 2. A value a later stage can store as raw bytes is :class:`Spillable`:
@@ -55,9 +55,9 @@ from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 import torch
 from torch import Tensor
 
-from tensorstash._layout import Layout, describe, memory, rebuild
-from tensorstash._reasons import Reason
-from tensorstash.stats import Decision, StashStats, Tier
+from tensorstash.core._layout import Layout, describe, memory, rebuild
+from tensorstash.core._reasons import Reason
+from tensorstash.core.stats import Decision, StashStats, Tier
 
 T = TypeVar("T")
 

@@ -78,8 +78,8 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import Tensor, fx, nn
 
-from tensorstash._memory import meter
-from tensorstash.stats import human_bytes
+from tensorstash.core.stats import human_bytes
+from tensorstash.memory._memory import meter
 
 SETTINGS: tuple[float, ...] = (1.0, 0.5, 0.25, 0.1, 0.0)
 """The partitioner budgets the search tries, the default partitioner first (rule 5)."""

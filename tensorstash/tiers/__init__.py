@@ -1,0 +1,3 @@
+"""Where a saved tensor can go: host RAM (cpu), lz4 (compress and its _codec), disk
+(disk, its spill directory _spilldir and read buffers _buffers), and recompute; and
+policies by name (_names)."""
