@@ -18,13 +18,14 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 from checks import poll, spill_descriptors
 
 import tensorstash as ts
 from tensorstash.core.policy import Context
 from tensorstash.core.stats import StashStats
 from tensorstash.memory import _trim
-from tensorstash.tiers import _spilldir, disk
+from tensorstash.tiers import _spilldir, _spillfile, disk
 
 
 def spill_dirs(parent: Path) -> list[Path]:
@@ -434,7 +435,7 @@ def test_disk_spill_inline_write_error_is_raised_at_unpack_and_frees_the_file(
     def broken(fd: int, views: list[memoryview], offset: int) -> int:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(disk, "_write_views", broken)
+    monkeypatch.setattr(_spillfile, "write_views", broken)
     x = torch.randn(256, 256, requires_grad=True)
     with ts.stash(ts.DiskSpill(tmp_path, background=False), min_bytes=0) as session:
         y = (x * 2).sin()  # pack returns: the error waits for the step's backward
@@ -560,7 +561,8 @@ def test_disk_spill_writes_and_reads_every_byte_through_short_calls(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Pieces, batches and calls that move fewer bytes than asked lose nothing (rule 4)."""
-    sizes = [0, 3, disk._PIECE + 5, 1, *([7] * (disk._IOV_MAX + 3)), 2 * disk._PIECE]
+    piece, iov_max = _spillfile.PIECE, _spillfile.IOV_MAX
+    sizes = [0, 3, piece + 5, 1, *([7] * (iov_max + 3)), 2 * piece]
     payload = os.urandom(sum(sizes))
     views, start = [], 0
     for size in sizes:
@@ -570,7 +572,7 @@ def test_disk_spill_writes_and_reads_every_byte_through_short_calls(
     calls = []
 
     def short_write(fd: int, buffers: list[memoryview], offset: int) -> int:
-        assert len(buffers) <= disk._IOV_MAX
+        assert len(buffers) <= iov_max
         calls.append(sum(b.nbytes for b in buffers))
         return real_write(fd, [bytes(b"".join(buffers)[:100_003])], offset)
 
@@ -582,12 +584,12 @@ def test_disk_spill_writes_and_reads_every_byte_through_short_calls(
     monkeypatch.setattr(os, "preadv", short_read)
     fd = disk.spill_directory(tmp_path).anonymous()
     try:
-        digest = disk._write_views(fd, views, 4096)
-        assert digest == disk.xxhash.xxh3_64_intdigest(payload)
-        assert max(calls) < 2 * disk._PIECE  # written a piece or a batch at a time
+        digest = _spillfile.write_views(fd, views, 4096)
+        assert digest == xxhash.xxh3_64_intdigest(payload)
+        assert max(calls) < 2 * piece  # written a piece or a batch at a time
         back = bytearray(len(payload) + 100)
-        read = disk.xxhash.xxh3_64()
-        got = disk._read_into(fd, memoryview(back), 4096, read)
+        read = xxhash.xxh3_64()
+        got = _spillfile.read_into(fd, memoryview(back), 4096, read)
         assert got == len(payload)  # the file's end stops the read
         assert bytes(back[:got]) == payload
         assert read.intdigest() == digest

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from zoo import Case, mlp
 
 import tensorstash as ts
-from tensorstash.tiers import disk
+from tensorstash.tiers import _spillfile
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -60,11 +60,11 @@ class FullDisk:
     """
 
     def __init__(self, parent: Path, good: int, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.real_write = disk._write_views
+        self.real_write = _spillfile.write_views
         self.good = good
         self.created = 0
         self.monkeypatch = monkeypatch
-        monkeypatch.setattr(disk, "_write_views", self.write)
+        monkeypatch.setattr(_spillfile, "write_views", self.write)
 
     def write(self, fd: int, views: list[memoryview], offset: int) -> int:
         self.created += 1
@@ -73,7 +73,7 @@ class FullDisk:
         return self.real_write(fd, views, offset)
 
     def heal(self) -> None:
-        self.monkeypatch.setattr(disk, "_write_views", self.real_write)
+        self.monkeypatch.setattr(_spillfile, "write_views", self.real_write)
 
 
 def disk_full_warnings(caught: list[warnings.WarningMessage]) -> list[str]:

@@ -1,3 +1,4 @@
 """Where a saved tensor can go: host RAM (cpu), lz4 (compress and its _codec), disk
-(disk, its spill directory _spilldir and read buffers _buffers), and recompute; and
-policies by name (_names)."""
+(disk; its spill file, extents and raw I/O _spillfile; what a session's spills share
+_spillwork; its spill directory _spilldir and read buffers _buffers), and recompute;
+and policies by name (_names)."""

@@ -58,7 +58,7 @@
    the value in memory instead, with one warning per session and a count in
    ``stats.fallbacks`` ("disk full", "disk cap").
 6. A session's values share a spill file (:class:`_SpillFile`); each value
-   owns an extent of it (:class:`_Extent`), page-aligned, taken while the
+   owns an extent of it (:class:`Extent`), page-aligned, taken while the
    value is alive, at most once, and given back when the value is freed, or,
    if the writer or a read-ahead is at work on it then, when that work ends.
    Freed extents are reused; the file is closed, and the kernel frees it, when
@@ -107,31 +107,26 @@
 
 from __future__ import annotations
 
-import bisect
 import errno
 import os
 import tempfile
-import threading
 import time
 import weakref
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol, TypeVar
+from typing import Any, ClassVar, Literal
 
 import torch
-import xxhash
 from torch import Tensor
 
-from tensorstash.core._layout import Layout, memory
+from tensorstash.core._layout import Layout
 from tensorstash.core._reasons import Reason, Why, reason
 from tensorstash.core.policy import (
     Context,
     Held,
     HostBytes,
     Packed,
-    Pending,
     Spillable,
     bug,
     finalize,
@@ -140,9 +135,8 @@ from tensorstash.core.policy import (
     without_frames,
 )
 from tensorstash.core.stats import Tier
-from tensorstash.memory import _pool
-from tensorstash.memory._trim import FLOOR, PAGE_SIZE, Trimmer, whole_pages
-from tensorstash.tiers._buffers import POOL
+from tensorstash.memory._trim import FLOOR
+from tensorstash.tiers import _spillfile
 from tensorstash.tiers._spilldir import (
     SpillDirectory,
     check_directory,
@@ -154,6 +148,8 @@ from tensorstash.tiers._spilldir import (
     spill_directory,
     warn_if_ram_backed,
 )
+from tensorstash.tiers._spillfile import CapReached, Extent
+from tensorstash.tiers._spillwork import Outcome, Returning, Shared, Written, run_now, usable_cores
 
 __all__ = [
     "DiskSpill",
@@ -167,21 +163,6 @@ __all__ = [
 ]
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
-# Buffers one pwritev takes (Linux's IOV_MAX is 1024).
-_IOV_MAX = 1024
-_T = TypeVar("_T", covariant=True)
-
-
-class Outcome(Protocol[_T]):
-    """What a write (or read) resolves to: a future's ``done`` and ``result``."""
-
-    def done(self) -> bool: ...
-
-    def result(self) -> _T: ...
-
-
-# Bytes hashed and then written, or read and then hashed, at a time (rule 4).
-_PIECE = 1 << 20
 _RERUN = (
     "The spill directory must not be changed while a graph that uses it is alive; rerun the step."
 )
@@ -191,294 +172,7 @@ class SpillError(RuntimeError):
     """A spill file could not be written, or read back as it was written."""
 
 
-# -- one value's file (rule 6) ------------------------------------------------------------
-
-
-class _Usage:
-    """Bytes a session's files hold on disk, against its cap (rule 5)."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int, cap: int | None) -> bool:
-        with self._lock:
-            if cap is not None and self.bytes + nbytes > cap:
-                return False
-            self.bytes += nbytes
-            return True
-
-    def give(self, nbytes: int) -> None:
-        with self._lock:
-            self.bytes -= nbytes
-
-
-class _CapReached(Exception):
-    """The session's files would hold more than ``max_disk_bytes``."""
-
-
-class _SpillFile:
-    """A file with no name in the spill directory, holding many values' bytes (rule 6).
-
-    Each value has its own extent, page-aligned, so no two values share a page.
-    Extents are taken first-fit from the free ones, else at the end, and given
-    back when their value is freed; the file is closed, and the kernel frees it,
-    once the last one is given back.
-    """
-
-    __slots__ = ("_end", "_free", "_live", "_lock", "directory", "fd", "parent")
-
-    def __init__(self, directory: SpillDirectory, parent: Path) -> None:
-        self.directory = directory
-        self.parent = parent  # the directory the user named, as the session names it
-        self.fd = directory.anonymous()
-        self._free: list[tuple[int, int]] = []  # (offset, length), by offset, none adjacent
-        self._end = 0
-        self._live = 0
-        self._lock = threading.Lock()
-
-    def take(self, length: int) -> int | None:
-        """The offset of ``length`` bytes of the file for a value; None once it is closed."""
-        with self._lock:
-            if self.fd < 0:
-                return None
-            self._live += 1
-            for index, (offset, free) in enumerate(self._free):
-                if free >= length:
-                    if free == length:
-                        del self._free[index]
-                    else:
-                        self._free[index] = (offset + length, free - length)
-                    return offset
-            offset, self._end = self._end, self._end + length
-            return offset
-
-    def give(self, offset: int, length: int) -> None:
-        """Free an extent taken before; the last one closes the file."""
-        with self._lock:
-            self._live -= 1
-            if self._live == 0:
-                fd, self.fd = self.fd, -1
-                self._free.clear()
-                os.close(fd)
-                return
-            index = bisect.bisect(self._free, (offset, length))
-            if index < len(self._free) and self._free[index][0] == offset + length:
-                length += self._free.pop(index)[1]
-            if index and sum(self._free[index - 1]) == offset:
-                index -= 1
-                offset, before = self._free.pop(index)
-                length += before
-            if offset + length == self._end:
-                self._end = offset
-            else:
-                self._free.insert(index, (offset, length))
-
-
-class _Files:
-    """The spill file a session's new extents go to, made again once closed (rule 6)."""
-
-    def __init__(self) -> None:
-        self._file: _SpillFile | None = None
-        self._lock = threading.Lock()
-
-    def extent(self, parent: Path, length: int) -> tuple[_SpillFile, int]:
-        """A file in the private directory inside ``parent`` and the offset of ``length``
-        bytes taken in it.
-
-        The directory is looked up only for a new file (rule 1: made again if
-        it was deleted); a forked child's is its own, so it never writes to
-        the file it inherited (rule 8).
-        """
-        with self._lock:
-            file = self._file
-            while True:
-                if file is None or file.parent != parent or file.directory.pid != os.getpid():
-                    file = self._file = _SpillFile(spill_directory(parent), parent)
-                offset = file.take(length)
-                if offset is not None:
-                    return file, offset
-                file = None
-
-    def close(self) -> None:
-        """Let go of the last file: the session's graph is freed (rule 8).
-
-        No lock: a freed value may close the session inside :meth:`extent` on
-        this thread, and a forked child's copy of the lock may be held forever.
-        """
-        self._file = None
-
-
-_WAITING, _WRITTEN, _GONE = range(3)
-
-
-class _Extent:
-    """Where one packed value's bytes are in a spill file: taken at most once,
-    while the value lives, and given back when it is freed, or, if a write or a
-    read is at work on it then, when that ends (rule 6)."""
-
-    __slots__ = (
-        "_busy",
-        "_held",
-        "_lock",
-        "_state",
-        "file",
-        "files",
-        "length",
-        "offset",
-        "parent",
-        "pid",
-        "usage",
-    )
-
-    def __init__(self, parent: Path, files: _Files, usage: _Usage) -> None:
-        self.parent = parent
-        self.pid = os.getpid()
-        self.files = files
-        self.usage = usage
-        self.file: _SpillFile | None = None
-        self.offset = 0
-        self.length = 0
-        self._lock = threading.Lock()
-        self._state = _WAITING
-        self._held = 0
-        self._busy = 0
-
-    @property
-    def released(self) -> bool:
-        return self._state == _GONE
-
-    def where(self) -> str:
-        file = self.file
-        if file is None:
-            return f"a spill directory in '{self.parent}'"
-        return f"spill file in '{file.directory.path}', at byte {self.offset}"
-
-    def write(self, views: list[memoryview], size: int, cap: int | None) -> int | None:
-        """Write ``views`` to an extent taken for them: their xxh3-64 digest.
-
-        None when the value was freed first (nothing is taken).
-
-        Raises:
-            _CapReached: the session's cap would be passed (nothing is taken).
-            OSError: the bytes could not be written; the extent is given back.
-        """
-        with self._lock:
-            if self._state != _WAITING:
-                return None
-            if not self.usage.take(size, cap):
-                raise _CapReached
-            self._held = size
-            length = max(PAGE_SIZE, whole_pages(size))
-            try:
-                self.file, self.offset = self.files.extent(self.parent, length)
-            except OSError:
-                self._drop()
-                raise
-            self.length = length
-            self._state = _WRITTEN
-            self._busy += 1
-        try:
-            return _write_views(self.file.fd, views, self.offset)
-        except OSError:
-            self.release()
-            raise
-        finally:
-            self.unpin()
-
-    def pin(self) -> _SpillFile | None:
-        """The file, held for a read of the value's bytes; None if they are gone."""
-        with self._lock:
-            if self._state != _WRITTEN or self.file is None:
-                return None
-            self._busy += 1
-            return self.file
-
-    def unpin(self) -> None:
-        with self._lock:
-            self._busy -= 1
-            self._give_if_done()
-
-    def release(self) -> None:
-        """The value is gone: give its extent back, now or once the work on it ends."""
-        if self.pid != os.getpid():
-            return  # a forked child's copy: the file belongs to the parent (rule 8)
-        with self._lock:
-            self._state = _GONE
-            self._drop()
-            self._give_if_done()
-
-    def _give_if_done(self) -> None:
-        if self._state == _GONE and not self._busy and self.file is not None:
-            file, self.file = self.file, None
-            file.give(self.offset, self.length)
-
-    def _drop(self) -> None:
-        if self._held:
-            self.usage.give(self._held)
-            self._held = 0
-
-
-def _write_views(fd: int, views: list[memoryview], offset: int) -> int:
-    """Write the views in order from ``offset``: their xxh3-64 digest (rule 4).
-
-    Each piece of up to ``_PIECE`` bytes is hashed and then written while it is
-    still in the core's cache; small views go out together, in one ``pwritev``.
-    """
-    digest = xxhash.xxh3_64()
-    batch: list[memoryview] = []
-    size = 0
-    for view in views:
-        for start in range(0, view.nbytes, _PIECE):
-            piece = view[start : start + _PIECE]
-            digest.update(piece)
-            batch.append(piece)
-            size += piece.nbytes
-            if size >= _PIECE or len(batch) == _IOV_MAX:
-                offset = _pwrite_all(fd, batch, offset)
-                batch, size = [], 0
-    if batch:
-        _pwrite_all(fd, batch, offset)
-    return digest.intdigest()
-
-
-def _pwrite_all(fd: int, views: list[memoryview], offset: int) -> int:
-    """Write every byte of ``views`` from ``offset``: the offset after them."""
-    first = 0
-    while first < len(views):
-        done = os.pwritev(fd, views[first:], offset)
-        offset += done
-        while done >= views[first].nbytes:
-            done -= views[first].nbytes
-            first += 1
-            if first == len(views):
-                return offset
-        views[first] = views[first][done:]
-    return offset
-
-
 # -- the packed value ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Written:
-    """What the writer did with a value.
-
-    Attributes:
-        sizes: the bytes of each buffer, in file order.
-        digest: xxh3-64 of the file's bytes.
-        shell: the value without its bytes (``from_buffers`` rebuilds it).
-        kept: the value itself when its bytes stayed in memory (rule 5), else None.
-    """
-
-    sizes: tuple[int, ...]
-    digest: int
-    shell: Any
-    kept: Any = None
-
-    @property
-    def size(self) -> int:
-        return sum(self.sizes)
 
 
 Holds = Literal["tensor", "held", "packed"]
@@ -501,8 +195,8 @@ class Spilled(Packed):
 
     layout: Layout | None = None
     holds: Holds = "packed"
-    extent: _Extent | None = None
-    written: Outcome[_Written | None] | None = None
+    extent: Extent | None = None
+    written: Outcome[Written | None] | None = None
     prefetched: Future[Tensor | None] | None = None
     inline: bool = False
 
@@ -510,7 +204,7 @@ class Spilled(Packed):
         return _describe(self.layout, self.extent)
 
 
-def _describe(layout: Layout | None, extent: _Extent | None) -> str:
+def _describe(layout: Layout | None, extent: Extent | None) -> str:
     what = f"{layout.dtype} tensor of shape {list(layout.shape)}" if layout else "a tensor"
     return f"{what} ({extent.where()})" if extent is not None else what
 
@@ -600,7 +294,7 @@ class DiskSpill:
         shared = self._shared(ctx)
         item, holds, kept_tier = _spillable(value)
         shared.pending.wait_under(self.max_pending_bytes, ctx)
-        extent = _Extent(parent, shared.files, shared.usage)
+        extent = Extent(parent, shared.files, shared.usage)
         layout = getattr(item, "layout", None)
         packed = Spilled(
             "host", item.nbytes, item.stored_bytes, layout=layout, holds=holds, extent=extent
@@ -614,14 +308,20 @@ class DiskSpill:
             shared.pending.add(packed.written, item.stored_bytes)
         else:
             packed.inline = True
-            packed.written = _run_now(job.run)
+            packed.written = run_now(job.run)
         return packed
 
-    def _shared(self, ctx: Context) -> _Shared:
-        shared: _Shared = ctx.resource("disk", lambda: _Shared(self.trim_every, ctx))
+    def _shared(self, ctx: Context) -> Shared:
+        shared: Shared = ctx.resource("disk", lambda: self._share(ctx))
         return shared
 
-    def _in_background(self, kept_tier: Tier, shared: _Shared) -> bool:
+    def _share(self, ctx: Context) -> Shared:
+        """What the session's spills share (rules 3 and 7): the cores and the floor are
+        this module's, so that tests can replace them."""
+        spare_cores = usable_cores() > torch.get_num_threads()
+        return Shared(self.trim_every, ctx, spare_cores=spare_cores, floor=FLOOR)
+
+    def _in_background(self, kept_tier: Tier, shared: Shared) -> bool:
         """Whether a value goes to the writer thread rather than being written now (rule 3)."""
         if self.background is not None:
             return self.background
@@ -662,123 +362,12 @@ class DiskSpill:
         if written is None or extent is None:
             return
         if packed.inline:
-            _advise_will_need(extent)
+            _spillfile.advise_will_need(extent)
         else:
             returning = self._shared(ctx).returning
             packed.prefetched = ctx.pool().submit(
                 without_frames, _read_ahead, extent, written, packed.layout, returning
             )
-
-
-class _Shared:
-    """What a session's spills share, made at its first: the writes in flight (rule 3),
-    the spill file (rule 6), the bytes on disk (rule 5), how freed memory leaves the
-    process (rule 7), and whether the process has a core beyond torch's threads
-    (rule 3). Closed when the session has ended and its graph is freed."""
-
-    __slots__ = ("files", "pending", "returning", "spare_cores", "usage")
-
-    def __init__(self, trim_every: int | None, ctx: Context) -> None:
-        self.pending = Pending()
-        self.files = _Files()
-        self.usage = _Usage()
-        self.returning = _Returning(trim_every, ctx)
-        self.spare_cores = usable_cores() > torch.get_num_threads()
-
-    def close(self) -> None:
-        self.returning.close()
-        self.files.close()
-
-
-class _Returning:
-    """Rule 7: how a session's freed memory leaves the process. The trimmer, until the
-    session wrote ``every`` bytes; then, where there is one, the session pool (a
-    session that frees less than that needs nothing more, and a pool would map its
-    blocks anew where the heap has them resident). ``moved`` is called after each
-    value written or read back."""
-
-    __slots__ = ("_lock", "every", "lease", "trimmer", "written")
-
-    def __init__(self, every: int | None, ctx: Context) -> None:
-        self.every = every if _pool.compiled is not None else None
-        self.lease: _pool.Lease | None = None
-        self.written = 0
-        self._lock = threading.Lock()
-        self.trimmer = Trimmer(every, counted=ctx.stats.returned, floor=FLOOR)
-
-    def moved(self, written: int = 0) -> None:
-        if self.lease is not None:
-            return
-        self.trimmer.moved(written)
-        every = self.every
-        if every is None or not written:
-            return
-        with self._lock:
-            self.written += written
-            if self.written < every or self.lease is not None:
-                return
-            self.lease = _pool.lease(every)
-            if self.lease is None:  # another allocator holds the CPU: trim on
-                self.every = None
-                return
-        self.trimmer.hand_back()  # what the heap holds free goes, once: the pool serves on
-
-    def close(self) -> None:
-        if self.lease is not None:
-            self.lease.close()
-
-
-def usable_cores() -> int:
-    """The cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-class _Done:
-    """The outcome of work done on this thread, read as a finished future's is."""
-
-    __slots__ = ("_error", "_value")
-
-    def __init__(self, value: _Written | None, error: Exception | None) -> None:
-        self._value = value
-        self._error = error
-
-    def done(self) -> bool:
-        return True
-
-    def result(self) -> _Written | None:
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-def _run_now(work: Callable[[], _Written | None]) -> _Done:
-    """Run ``work`` on this thread: its result, or its error kept for unpack, as the
-    writer's errors are.
-
-    A ``Future`` made and resolved here, with the spill directory looked up for
-    every value rather than once a session, cost a 64 KiB value 104 us to pack
-    against 79 (2 cores; plain hooks writing and hashing the same bytes: 27).
-    """
-    try:
-        return _Done(without_frames(work), None)
-    except Exception as error:
-        return _Done(None, error)
-
-
-def _advise_will_need(extent: _Extent) -> None:
-    """Ask the kernel to bring a value's bytes into the page cache, if they left it."""
-    file = extent.pin()
-    if file is None:
-        return
-    try:
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(file.fd, extent.offset, extent.length, os.POSIX_FADV_WILLNEED)
-    except OSError:
-        pass  # advice only: the read at unpack reports any real error
-    finally:
-        extent.unpin()
 
 
 def _check_size(name: str, value: object, *, optional: bool) -> None:
@@ -828,15 +417,15 @@ class _Job:
     packed value (rule 6); its error keeps no frame (``without_frames``), since
     the future keeps the error until unpack re-raises it."""
 
-    extent: _Extent
+    extent: Extent
     item: Any
     ref: weakref.ref[Spilled]
     ctx: Context
     cap: int | None
     kept_tier: Tier
-    returning: _Returning
+    returning: Returning
 
-    def run(self) -> _Written | None:
+    def run(self) -> Written | None:
         item, self.item = self.item, None  # the bytes leave with this frame
         if self.extent.released:
             return None  # freed before it was written: no file (rule 6)
@@ -846,12 +435,12 @@ class _Job:
             self.returning.moved(sum(written.sizes))  # rule 7
         return written
 
-    def _store(self, item: Any) -> _Written | None:
+    def _store(self, item: Any) -> Written | None:
         shell, views = item.spill_buffers(self.ctx)
         sizes = tuple(view.nbytes for view in views)
         try:
             digest = self.extent.write(views, sum(sizes), self.cap)
-        except _CapReached:
+        except CapReached:
             return self._keep(item, Why.DISK_CAP, "disk cap", self._cap_message())
         except OSError as error:
             if error.errno not in _FULL:
@@ -861,14 +450,14 @@ class _Job:
         if digest is None:
             return None  # freed while the file was being made
         self._moved("disk", sum(sizes), _outcome(item, sum(sizes)))
-        return _Written(sizes, digest, shell)
+        return Written(sizes, digest, shell)
 
-    def _keep(self, item: Any, why: Why, count: str, message: str) -> _Written:
+    def _keep(self, item: Any, why: Why, count: str, message: str) -> Written:
         """Rule 5: the bytes stay in memory, counted where they rest."""
         self.ctx.stats.fallback(count)
         self.ctx.warn(message, once=count)
         self._moved(self.kept_tier, item.stored_bytes, Reason(why))
-        return _Written((), 0, None, kept=item)
+        return Written((), 0, None, kept=item)
 
     def _moved(self, tier: Tier, stored: int, outcome: Reason) -> None:
         packed = self.ref()
@@ -903,10 +492,10 @@ def _outcome(item: Any, size: int) -> Reason:
 
 
 def _read_ahead(
-    extent: _Extent,
-    written: Outcome[_Written | None],
+    extent: Extent,
+    written: Outcome[Written | None],
     layout: Layout | None,
-    returning: _Returning,
+    returning: Returning,
 ) -> Tensor | None:
     """A read-ahead's job: the value's bytes, or None when there is nothing to read."""
     done = written.result()
@@ -917,51 +506,33 @@ def _read_ahead(
     return data
 
 
-def _read(extent: _Extent, written: _Written, layout: Layout | None) -> Tensor | None:
+def _read(extent: Extent, written: Written, layout: Layout | None) -> Tensor | None:
     """Read a value's bytes into a buffer of the stash's own, checking length and checksum.
 
     None when the value was freed first (a read-ahead's race with backward).
     """
     size = written.size
-    data = POOL.take(size)  # rule 4: the tensor handed back (NOTE [ Read buffers ])
-    file = extent.pin()
-    if file is None:
-        return None
-    digest = xxhash.xxh3_64()
     try:
-        got = _read_into(file.fd, memory(data), extent.offset, digest)
+        read = _spillfile.read(extent, size)
     except OSError as error:
         raise SpillError(
             f"tensorstash.DiskSpill: cannot read back {_describe(layout, extent)}: "
             f"{error.strerror}. {_RERUN}"
         ) from None
-    finally:
-        extent.unpin()
+    if read is None:
+        return None
+    data, got, digest = read
     if got != size:
         raise SpillError(
             f"tensorstash.DiskSpill: {_describe(layout, extent)} was truncated: read {got} "
             f"of {size} bytes. {_RERUN}"
         )
-    if digest.intdigest() != written.digest:
+    if digest != written.digest:
         raise SpillError(
             f"tensorstash.DiskSpill: {_describe(layout, extent)} is corrupted (checksum "
             f"mismatch). {_RERUN}"
         )
     return data
-
-
-def _read_into(fd: int, view: memoryview, offset: int, digest: xxhash.xxh3_64) -> int:
-    """Fill ``view`` from the file at ``offset``, hashing each piece while it is
-    in the cache (rule 4): the bytes read (fewer at the file's end)."""
-    got = 0
-    while got < view.nbytes:
-        piece = view[got : got + _PIECE]
-        count = os.preadv(fd, [piece], offset + got)
-        if count == 0:
-            break
-        digest.update(piece[:count])
-        got += count
-    return got
 
 
 def _pieces(data: Tensor, sizes: tuple[int, ...]) -> list[Tensor]:
