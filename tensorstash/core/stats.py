@@ -1,4 +1,7 @@
-"""What a stash session did: bytes per tier, time spent, and why tensors were kept."""
+"""What a stash session did: bytes per tier, time spent, and why tensors were kept.
+
+:class:`StashStats` counts, folds the hot path's counts in and merges sessions;
+_render.py shows the counts (``to_dict``, ``metrics``, ``table``)."""
 
 from __future__ import annotations
 
@@ -8,8 +11,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tensorstash.core import _render
 from tensorstash.core._fastpath import compiled
 from tensorstash.core._reasons import Reason, Why
+from tensorstash.core._render import human_bytes as human_bytes  # where callers import it
 
 Tier = Literal["kept", "host", "disk"]
 TIERS: tuple[Tier, ...] = ("kept", "host", "disk")
@@ -308,35 +313,43 @@ class StashStats:
         with self._lock:
             return self._ratio_unlocked()
 
+    def _ratio_unlocked(self) -> float:
+        moved = [self.tiers["host"], self.tiers["disk"]]
+        stored = sum(t.stored_bytes for t in moved)
+        return sum(t.bytes for t in moved) / stored if stored else 1.0
+
+    # -- shown (the text and the keys: _render.py) ------------------------------
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready copy of every counter."""
+        """A JSON-ready copy of every counter (what :meth:`merge` reads)."""
         with self._lock:
-            return {
-                "tiers": {
-                    name: {
-                        "tensors": t.tensors,
-                        "bytes": t.bytes,
-                        "stored_bytes": t.stored_bytes,
-                        "live_bytes": t.live_bytes,
-                        "peak_bytes": t.peak_bytes,
-                    }
-                    for name, t in self.tiers.items()
-                },
-                "compression_ratio": self._ratio_unlocked(),
-                "pack_seconds": self.pack_seconds,
-                "unpack_seconds": self.unpack_seconds,
-                "wait_seconds": self.wait_seconds,
-                "unpacks": self.unpacks,
-                "deduplicated": self.deduplicated,
-                "inside_recompute": self.inside_recompute,
-                "returned_bytes": self.returned_bytes,
-                "returned_seconds": self.returned_seconds,
-                "returns": self.returns,
-                "quiet": self.quiet,
-                "skipped": dict(self.skipped),
-                "fallbacks": dict(self.fallbacks),
-                "decisions": [_row(entry) for entry in self._log],
-            }
+            decisions = [_row(entry) for entry in self._log]
+            return _render.as_dict(self, self._ratio_unlocked(), decisions)
+
+    def metrics(self, prefix: str = "tensorstash/", *, per: int = 1) -> dict[str, float]:
+        """Flat numbers for a logger, as integrations log them.
+
+        Per tier (``kept``, ``host``, ``disk``): ``<tier>_tensors``,
+        ``<tier>_bytes`` (original size) and ``<tier>_stored_bytes`` (after
+        compression), each divided by ``per`` (a mean over ``per`` steps merged
+        together), and ``<tier>_peak_bytes``; then ``compression_ratio``, and
+        ``pack_seconds``, ``unpack_seconds``, ``wait_seconds`` and
+        ``returned_bytes`` (memory handed back to the OS) divided by ``per``.
+        Keys start with ``prefix``.
+        """
+        return _render.metrics(self.to_dict(), prefix, per)
+
+    def table(self, by: Literal["tier", "module"] = "tier") -> str:
+        """A plain-text table for people.
+
+        Args:
+            by: "tier": one row per tier, then times and reasons; "module": one
+                row per module of the decision log (``stash(..., record=True)``)
+                with its bytes per tier.
+        """
+        if by == "module":
+            return _render.module_table(self.decisions, TIERS)
+        return _render.tier_table(self.to_dict())
 
     # -- several sessions ------------------------------------------------------
 
@@ -395,114 +408,9 @@ class StashStats:
             total.merge(part, concurrent=concurrent, decisions=decisions)
         return total
 
-    def metrics(self, prefix: str = "tensorstash/", *, per: int = 1) -> dict[str, float]:
-        """Flat numbers for a logger, as integrations log them.
-
-        Per tier (``kept``, ``host``, ``disk``): ``<tier>_tensors``,
-        ``<tier>_bytes`` (original size) and ``<tier>_stored_bytes`` (after
-        compression), each divided by ``per`` (a mean over ``per`` steps merged
-        together), and ``<tier>_peak_bytes``; then ``compression_ratio``, and
-        ``pack_seconds``, ``unpack_seconds``, ``wait_seconds`` and
-        ``returned_bytes`` (memory handed back to the OS) divided by ``per``.
-        Keys start with ``prefix``.
-        """
-        data = self.to_dict()
-        out: dict[str, float] = {}
-        for name, counters in data["tiers"].items():
-            for key in ("tensors", "bytes", "stored_bytes"):
-                out[f"{prefix}{name}_{key}"] = counters[key] / per
-            out[f"{prefix}{name}_peak_bytes"] = float(counters["peak_bytes"])
-        out[f"{prefix}compression_ratio"] = float(data["compression_ratio"])
-        for key in ("pack_seconds", "unpack_seconds", "wait_seconds", "returned_bytes"):
-            out[f"{prefix}{key}"] = data[key] / per
-        return out
-
-    def _ratio_unlocked(self) -> float:
-        moved = [self.tiers["host"], self.tiers["disk"]]
-        stored = sum(t.stored_bytes for t in moved)
-        return sum(t.bytes for t in moved) / stored if stored else 1.0
-
-    def table(self, by: Literal["tier", "module"] = "tier") -> str:
-        """A plain-text table for people.
-
-        Args:
-            by: "tier": one row per tier, then times and reasons; "module": one
-                row per module of the decision log (``stash(..., record=True)``)
-                with its bytes per tier.
-        """
-        if by == "module":
-            return self._module_table()
-        data = self.to_dict()
-        header = (
-            f"{'tier':<6} {'tensors':>8} {'bytes':>11} {'stored':>11} {'live':>11} {'peak':>11}"
-        )
-        lines = [header, "-" * len(header)]
-        for name, t in data["tiers"].items():
-            lines.append(
-                f"{name:<6} {t['tensors']:>8} {human_bytes(t['bytes']):>11} "
-                f"{human_bytes(t['stored_bytes']):>11} {human_bytes(t['live_bytes']):>11} "
-                f"{human_bytes(t['peak_bytes']):>11}"
-            )
-        lines.append(
-            f"compression {data['compression_ratio']:.2f}x  pack {data['pack_seconds']:.3f}s  "
-            f"unpack {data['unpack_seconds']:.3f}s  wait {data['wait_seconds']:.3f}s  "
-            f"deduplicated {data['deduplicated']}"
-        )
-        if data["returns"]:
-            lines.append(
-                f"handed back to the OS: {human_bytes(data['returned_bytes'])} in "
-                f"{data['returns']} call(s) ({data['returned_seconds']:.3f}s), faulted in "
-                "again when reused"
-            )
-        if data["quiet"]:
-            lines.append(
-                f"quiet {data['quiet']} time(s): Auto's plan moved nothing, so the step ran as "
-                "plain autograd (nothing counted; see session.plan)"
-            )
-        if data["inside_recompute"]:
-            lines.append(
-                f"opened inside a recomputed region {data['inside_recompute']} time(s): "
-                "tensors passed through untouched"
-            )
-        for title, reasons in (
-            ("kept untouched", data["skipped"]),
-            ("fallbacks", data["fallbacks"]),
-        ):
-            if reasons:
-                text = ", ".join(f"{why}: {n}" for why, n in sorted(reasons.items()))
-                lines.append(f"{title}: {text}")
-        return "\n".join(lines)
-
-    def _module_table(self) -> str:
-        rows = self.decisions
-        if not rows:
-            return "no decisions recorded: open the stash with record=True"
-        per: dict[str, dict[str, int]] = {}
-        for row in rows:
-            sums = per.setdefault(row["module"] or "(no module)", dict.fromkeys(TIERS, 0))
-            sums[row["tier"]] += row["bytes"] if row["reason"] != "deduplicated" else 0
-            sums.setdefault("tensors", 0)
-            sums["tensors"] += 1
-        width = max(len("module"), *(len(name) for name in per))
-        header = f"{'module':<{width}} {'tensors':>8} {'kept':>11} {'host':>11} {'disk':>11}"
-        lines = [header, "-" * len(header)]
-        for name, sums in per.items():
-            cells = " ".join(f"{human_bytes(sums[t]):>11}" for t in TIERS)
-            lines.append(f"{name:<{width}} {sums['tensors']:>8} {cells}")
-        return "\n".join(lines)
-
 
 _UNDER_MIN_BYTES = Why.UNDER_MIN_BYTES.value
 
 
 def _row(entry: Decision | dict[str, Any]) -> dict[str, Any]:
     return entry.row() if isinstance(entry, Decision) else dict(entry)
-
-
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``'1.5 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
