@@ -61,18 +61,19 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from tensorstash.core import _reasons
+from tensorstash.core import _names, _reasons
 from tensorstash.core._reasons import Reason, Why, reason
 from tensorstash.core.policy import Chain, Context, Defer, Keep, Policy
 from tensorstash.core.stats import StashStats, Tier, human_bytes
 from tensorstash.memory import _pool
 from tensorstash.memory._memory import host_ram
 from tensorstash.memory._trim import Watch
-from tensorstash.planning import _rates
+from tensorstash.planning import _opening, _rates
 from tensorstash.planning.plan import RETURNS_BELOW, Plan, Rates, make_plan
 from tensorstash.planning.profile import signature
 from tensorstash.session import _modules
-from tensorstash.tiers._names import resolve
+from tensorstash.session.quiet import HOOKED, Control, Opening, Planning, State
+from tensorstash.tiers._names import POLICIES, resolve
 from tensorstash.tiers.compress import Lz4
 from tensorstash.tiers.cpu import CpuOffload
 from tensorstash.tiers.disk import DiskSpill, check_directory
@@ -212,8 +213,8 @@ class Select:
         policy, why = choice if isinstance(choice, tuple) else (choice, None)
         given = None if why is None else reason(Why.RULE, why)
         if isinstance(policy, Defer):
-            return Defer(resolve(policy.policy, api="Select"), policy.window), given
-        return resolve(policy, api="Select"), given
+            return Defer(resolve(policy.policy, POLICIES, api="Select"), policy.window), given
+        return resolve(policy, POLICIES, api="Select"), given
 
     def pack(self, value: Tensor, ctx: Context) -> Any:
         raise TypeError(
@@ -413,11 +414,28 @@ class Auto:
             state._resolve_limits(device)
         return state.budget
 
-    def begin(self, ctx: Context, *, quiet: bool = False) -> _AutoState:
-        """A session opens: plan at the model's first call (see ``_AutoState.entered``);
-        ``quiet``: it opened quiet (NOTE [ Quiet steps ] rule 4)."""
+    def begin(
+        self, ctx: Context, control: Control, *, alone: bool = False, min_bytes: int = 0
+    ) -> Planning:
+        """A session opens: its step's planning, which says how the step opens
+        (NOTE [ Quiet-step machine ] in session/quiet.py; _opening.py) and plans at the
+        model's first call (see ``_AutoState.entered``).
+
+        Args:
+            ctx: the session's context.
+            control: what the planning may ask of the session in the step.
+            alone: whether the step may open otherwise than hooked.
+            min_bytes: the session's ``min_bytes``.
+        """
+        if alone:
+            whole = _opening.compiled_planning(self, ctx, min_bytes)
+            if whole is not None:
+                return whole
+        profile = ctx.profile
+        quiet = alone and profile is not None and profile.may_open_quiet()
+        opening = _opening.detecting(self, ctx, min_bytes, quiet) if alone else HOOKED
         state = self.state(ctx)
-        state.begin(quiet=quiet)
+        state.begin(control, opening)
         return state
 
     def choose(
@@ -431,6 +449,17 @@ class Auto:
 
     def unpack(self, packed: Any, ctx: Context) -> Tensor:
         return Select.unpack(self, packed, ctx)  # type: ignore[arg-type]
+
+
+@functools.cache
+def _auto() -> Auto:
+    """The ``Auto`` that "auto" names: one per process. An Auto holds no state of its
+    own (a session's is in its context), and ``stash("auto")`` runs at every step:
+    making one there would cost a quiet step tens of microseconds."""
+    return Auto()
+
+
+_names.register("auto", _auto)
 
 
 def _trims(device: str, every: int | str | None) -> bool | Literal["auto"]:
@@ -487,7 +516,8 @@ class _AutoState:
         self.cache_off: list[Any] = []  # model configs whose use_cache was turned off
         self.stats = ctx.stats
         self.watch: Watch | None = None  # returns freed memory in a planned CPU step
-        self.session = ctx.session  # a weak reference (rule 10 of NOTE [ Session ])
+        self.control: Control | None = None  # the session's, during its step
+        self.opening: Opening = HOOKED
         self.root_hook: Any = None  # the model's pre-hook that may make the step quiet
         self.unobserve: Callable[[], None] = _nothing  # stops observing modules (begin)
 
@@ -519,7 +549,7 @@ class _AutoState:
 
     # The session's step ------------------------------------------------------------
 
-    def begin(self, *, quiet: bool = False) -> None:
+    def begin(self, control: Control, opening: Opening) -> None:
         """Plan when the model is first called (a module observer until then).
 
         Called before the profile starts timing the step, so this observer
@@ -527,7 +557,11 @@ class _AutoState:
         session that opened quiet follows no module: it plans in the model's
         pre-hook (NOTE [ Quiet steps ] rule 4).
         """
+        self.control, self.opening = control, opening
+        quiet = opening.state is State.OPENED_QUIET
         profile = self.profile
+        if quiet:
+            profile.began_quiet()
         self.learning_now = profile is not None and profile.learning
         self.hot.keep_left = 0  # nothing posted carries across steps
         if profile is not None and torch.is_grad_enabled():
@@ -581,7 +615,7 @@ class _AutoState:
     ) -> None:
         """NOTE [ Quiet steps ] rule 2: hand the step to plain autograd where its plan allows."""
         self._drop_root_hook()
-        session = self.session() if self.session is not None else None
+        session = self.control
         if session is not None and session.opened_quiet:
             self._called_quiet(session, module, args, kwargs)
             return
@@ -633,9 +667,12 @@ class _AutoState:
             self.root_hook = None
 
     def end(self) -> None:
-        """The session exits: give every module back."""
+        """The session exits: give every module back, and the session's control."""
         self._drop_root_hook()
         self.unobserve()
+        control, self.control = self.control, None
+        if control is not None and control.opened_quiet:
+            self.profile.did_not_stay_quiet()  # the model was never called, or could not decide
         if self.watch is not None:
             self.watch.exited()  # it stops when the step's saved tensors are freed
             self.watch = None

@@ -76,6 +76,9 @@ this order:
    its hooks above theirs: it stays as it is for that step, and the next
    session opens with its hooks, as one does after a session that opened
    quiet and called no module.
+   Rules 10 and 11 are the states and transitions of NOTE [ Quiet-step
+   machine ] in quiet.py; the session knows a selector only through the
+   protocols there.
 
 # NOTE [ Recent window ]
 Backward starts with the tensors saved last (the output head, the loss):
@@ -95,29 +98,25 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from tensorstash.core import _reasons
 from tensorstash.core._fastpath import compiled
+from tensorstash.core._names import NAMES
+from tensorstash.core._names import resolve as _resolve
 from tensorstash.core._reasons import Reason, Why, reason
 from tensorstash.core.policy import Context, Defer, Held, Keep, Packed, Policy, bug, nbytes_of
 from tensorstash.core.stats import Decision, HotCounts, StashStats
-from tensorstash.planning import compiler
-from tensorstash.planning.auto import Auto
-from tensorstash.planning.plan import Plan
-from tensorstash.planning.profile import Profile, SiteRecord
 from tensorstash.session import _dtensor, _modules
 from tensorstash.session._verify import check, checksum
-from tensorstash.tiers._names import POLICIES
-from tensorstash.tiers._names import resolve as _resolve
+from tensorstash.session.quiet import HOOKED, Event, Machine, Pair, State
 from tensorstash.tiers.disk import SpillError
 from tensorstash.tiers.recompute import saving_plan_inputs
 
@@ -128,16 +127,21 @@ PREFETCH_DEPTH = 2
 """How many earlier packs an unpack starts bringing back."""
 
 
-@functools.cache
-def _auto() -> Auto:
-    """The ``Auto`` that "auto" names: one per process. An Auto holds no state of its
-    own (a session's is in its context), and ``stash("auto")`` runs at every step:
-    making one there took 40-45 us of a quiet step's 500 (a small MLP, the CPU)."""
-    return Auto()
+@runtime_checkable
+class Records(Protocol):
+    """What a session asks of its profile (:class:`~tensorstash.Profile`)."""
 
+    @property
+    def root(self) -> Any: ...
 
-NAMES: dict[str, Callable[[], Any]] = {**POLICIES, "auto": _auto}
-"""The policy names ``stash()`` accepts."""
+    def begin(self, ctx: Any, min_bytes: int) -> Any: ...
+
+    def site(self, module: str, tensor: Tensor) -> Any: ...
+
+    def record_pack(self, site: Any, nbytes: int) -> Any: ...
+
+    def clock(self) -> float: ...
+
 
 _local = threading.local()
 _Tensor = Tensor
@@ -249,7 +253,7 @@ class _Saved:
         self.counter = held if held is not None else _version_counter(source)
         self.prev = session._last
         self.prefetched = False
-        self.record: SiteRecord | None = None
+        self.record: Any = None  # the profile's record of its call site
         self.origin = (_modules.current(), source.shape, source.dtype)  # for error messages
         self.checksum: int | Tensor | None = None
         self.geometry_ = (source.storage_offset(), source.shape, source.stride(), source.dtype)
@@ -545,7 +549,7 @@ class Session(contextlib.ContextDecorator):
         min_bytes: int,
         workers: int,
         record: bool,
-        profile: Profile | None,
+        profile: Records | None,
         verify: bool = False,
     ) -> None:
         self.policy = policy
@@ -565,14 +569,11 @@ class Session(contextlib.ContextDecorator):
         self._owner = 0  # the thread whose hooks this session pushed last
         self._pushed: list[bool] = []  # per open: whether this enter pushed hooks (rule 8)
         self._step: Any = None  # the profile's step being measured
-        self._planner: Any = None  # the selector's per-step planning (Auto's state)
-        self._quiet = False  # this open handed the step to plain autograd (rule 10)
-        self._opened_quiet = False  # this open pushed nothing yet, and may stay so (rule 11)
+        self._planner: Any = None  # the selector's planning for the step (session/quiet.py)
+        self._machine = Machine()  # NOTE [ Quiet-step machine ] in quiet.py
         self._cancel_next: Callable[[], None] = _nothing  # stop waiting for a module call
-        self._compiled: compiler.CompiledStep | None = None  # NOTE [ Compiled code ]
-        self._compiled_alone = False  # this open runs compiled code planned whole (rule 6)
-        self._compiled_plan: compiler.CompilerPlan | None = None
-        self._ctx.session = weakref.ref(self)
+        self._pair: Pair | None = None  # a compiler's pair pushed in this session's place
+        self._pair_plan: Any = None  # what the pair's step planned (NOTE [ Compiled code ])
 
     def __repr__(self) -> str:
         return f"tensorstash.stash({self.policy!r}, min_bytes={self.min_bytes})"
@@ -601,126 +602,51 @@ class Session(contextlib.ContextDecorator):
         self._pushed.append(True)
         self._owner = threading.get_ident()
         active = _active()
-        if active and active[0]._opened_quiet:
+        if active and active[0].opened_quiet:
             active[0].wake()  # rule 11: its hooks go below this session's
-        quiet = not active and top is None and self._may_open_quiet()
-        active.append(self)
-        self._ctx.opened()
-        detect = False
-        if not active[:-1] and top is None and self._plans_compiled():
-            if compiler.known(self.profile).compiled:
-                return self._open_compiled()
-            detect = not quiet and compiler.known(self.profile).compiled is None
-            if detect:
-                compiler.prepare()  # before the profile's step begins: one-time work
-        if quiet:
-            return self._open_quiet()
-        _modules.track()
-        begin = getattr(self.policy, "begin", None)
-        self._planner = begin(self._ctx) if begin is not None else None
-        # The step's own choose (Auto's state), bound once: rule 4 runs per tensor.
-        self._choose = getattr(self._planner, "choose", None) or getattr(
-            self.policy, "choose", None
-        )
-        self._step = self.profile.begin(self._ctx, self.min_bytes) if self.profile else None
-        if detect:
-            self._push_compiler_hooks(self._hooks())
-        else:
-            torch._C._autograd._push_saved_tensors_default_hooks(*self._hooks())
-        return self
-
-    # Compiled code (NOTE [ Compiled code ] in compiler.py) ------------------------------
-
-    def _plans_compiled(self) -> bool:
-        """Rule 2: an Auto session with a profile, in a process that runs compiled code."""
-        return (
-            self.profile is not None
-            and isinstance(self.policy, Auto)
+        alone = (
+            not active
+            and top is None
             and not self.record
             and not self.verify
             and torch.is_grad_enabled()
-            and compiler.dynamo_live()
         )
-
-    def _push_compiler_hooks(self, hooks: tuple[Any, Any]) -> None:
-        """Rule 5's first step: the default partitioner's pair, eager tensors handed to
-        ``hooks``; its reading tells whether the step runs compiled code."""
-        profile, policy, ctx = self.profile, self.policy, self._ctx
-        assert profile is not None and isinstance(policy, Auto)
-
-        def search(device: torch.device) -> compiler.CompiledSearch:
-            compiler.known(profile).device = device
-            budget = policy.budget_bytes(ctx, device)
-            return compiler.search_for(profile, policy.device_budget, budget)
-
-        self._push_pair(compiler.CompiledStep(search, 1.0, self.min_bytes, None), hooks)
-
-    def _open_compiled(self) -> Session:
-        """Rule 6: a step of compiled code, planned whole by the search: its pair, or
-        nothing where what the compiled graphs keep fits."""
-        profile, policy = self.profile, self.policy
-        assert profile is not None and isinstance(policy, Auto)
-        device = compiler.known(profile).device or torch.device("cpu")
-        budget = policy.budget_bytes(self._ctx, device)
-        search = compiler.search_for(profile, policy.device_budget, budget)
-        setting = search.setting_for_step()
-        self._compiled_alone = True
-        self._compiled_plan = search.plan()
-        if setting is None:
-            self._quiet = True
-            with self._stats._lock:
-                self._stats.quiet += 1
-            return self
-        timed = None if search.settled else device  # rule 5: settled steps are not timed
-        step = compiler.CompiledStep(search, setting, self.min_bytes, timed, known=True)
-        self._push_pair(step, (_same, _same))  # rule 6: eager tensors stay where they are
+        active.append(self)
+        self._ctx.opened()
+        begin = getattr(self.policy, "begin", None)
+        planning = None
+        if begin is not None:
+            planning = begin(self._ctx, self, alone=alone, min_bytes=self.min_bytes)
+        self._planner = planning
+        opening = planning.opening if planning is not None else HOOKED
+        # The step's own choose (Auto's state), bound once: rule 4 runs per tensor.
+        self._choose = getattr(planning, "choose", None) or getattr(self.policy, "choose", None)
+        self._step = self._pair_plan = None
+        self._machine.move(Event.OPEN, opening.state)
+        if opening.state is State.HOOKED:
+            _modules.track()
+            self._step = self.profile.begin(self._ctx, self.min_bytes) if self.profile else None
+            hooks = self._hooks()
+        else:
+            hooks = (_same, _same)  # eager code's tensors stay where they are
+            if opening.state is State.OPENED_QUIET:
+                self._cancel_next = _modules.next_call(self._next_call)
+            elif opening.pair is None:
+                self._count_quiet()
+        if opening.pair is not None:
+            opening.pair.hand(*hooks)
+            self._pair = opening.pair
+            torch._C._autograd._push_saved_tensors_default_hooks(
+                opening.pair.pack, opening.pair.unpack
+            )
+        elif opening.state is State.HOOKED:
+            torch._C._autograd._push_saved_tensors_default_hooks(*hooks)
         return self
-
-    def _push_pair(self, step: compiler.CompiledStep, hooks: tuple[Any, Any]) -> None:
-        """Push ``step``'s pair; eager code's tensors go to ``hooks`` (rule 2)."""
-        compiler.handing(*hooks)
-        torch._C._autograd._push_saved_tensors_default_hooks(step.pair.pack, step.pair.unpack)
-        self._compiled = step
-
-    def _close_compiled(self) -> None:
-        """The forward of a step under a pair ended: what its compiled graphs kept."""
-        step, self._compiled = self._compiled, None
-        if step is None:
-            return
-        compiler.handed()
-        torch._C._autograd._pop_saved_tensors_default_hooks()
-        search = step.exited()
-        if search is None and not self._compiled_alone and self.profile is not None:
-            compiler.known(self.profile).compiled = False
-        elif search is not None and self.profile is not None:
-            compiler.known(self.profile).compiled = True
-            self._compiled_plan = search.plan()
 
     @property
     def opened_quiet(self) -> bool:
         """Whether this open pushed nothing yet and waits for the model's call (rule 11)."""
-        return self._opened_quiet
-
-    def _may_open_quiet(self) -> bool:
-        profile = self.profile
-        return (
-            profile is not None
-            and isinstance(self.policy, Auto)
-            and not self.record
-            and not self.verify
-            and torch.is_grad_enabled()
-            and profile.may_open_quiet()
-        )
-
-    def _open_quiet(self) -> Session:
-        """Rule 11: open with nothing pushed, until the model's call says what the step is."""
-        assert self.profile is not None and isinstance(self.policy, Auto)
-        self._quiet = self._opened_quiet = True
-        self.profile.began_quiet()
-        self._planner = self.policy.begin(self._ctx, quiet=True)
-        self._choose = self._planner.choose
-        self._cancel_next = _modules.next_call(self._next_call)
-        return self
+        return self._machine.state is State.OPENED_QUIET
 
     def _next_call(self, module: Any, args: Any) -> None:
         """The first module call of a session that opened quiet (rule 11): not the model's
@@ -735,10 +661,10 @@ class Session(contextlib.ContextDecorator):
         False where it cannot: it did not open quiet, or it decided already, or
         others' hooks are pushed inside it (it then stays as it is for this step).
         """
-        if not self._opened_quiet or not self._innermost_alone():
+        if not self.opened_quiet or not self._innermost_alone():
             return False
         self._decided()
-        self._quiet = False
+        self._machine.move(Event.WAKE, State.HOOKED)
         _modules.track()
         woke = getattr(self._planner, "woke", None)
         if woke is not None:
@@ -752,12 +678,16 @@ class Session(contextlib.ContextDecorator):
     def stay_quiet(self) -> bool:
         """Rule 11: the model was called, and the session that opened quiet stays so for
         the step; False where it cannot (see :meth:`wake`)."""
-        if not self._opened_quiet or not self._innermost_alone():
+        if not self.opened_quiet or not self._innermost_alone():
             return False
         self._decided()
+        self._machine.move(Event.STAY_QUIET, State.QUIET)
+        self._count_quiet()
+        return True
+
+    def _count_quiet(self) -> None:
         with self._stats._lock:
             self._stats.quiet += 1
-        return True
 
     def _innermost_alone(self) -> bool:
         active = _active()
@@ -765,7 +695,7 @@ class Session(contextlib.ContextDecorator):
         return top is None and bool(active) and active[-1] is self
 
     def _decided(self) -> None:
-        self._opened_quiet = False
+        """The open that waited for the model's call decided: stop waiting (rule 11)."""
         self._cancel_next()
         self._cancel_next = _nothing
 
@@ -802,7 +732,7 @@ class Session(contextlib.ContextDecorator):
     def _pushed_by(self, hook: Any) -> bool:
         """Whether ``hook`` (a pushed pack hook) is this session's, Python's, C's, or the
         compiler pair it pushed."""
-        if self._compiled is not None and hook is self._compiled.pair.pack:
+        if self._pair is not None and hook is self._pair.pack:
             return True
         owner = getattr(hook, "__self__", None)
         return hook == self.pack or getattr(owner, "session", None) is self
@@ -821,40 +751,33 @@ class Session(contextlib.ContextDecorator):
             )
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         ours = top is not None and self._pushed_by(top[0])
+        pushed = self._machine.hooked or self._pair is not None
         # Rule 10: a quiet session has nothing of its own pushed, and nothing else may be.
-        if (top is not None) if self._quiet else not ours:
+        if not ours if pushed else top is not None:
             raise RuntimeError(
                 "tensorstash.stash: other saved-tensor hooks are still pushed inside this "
                 "session; close them before the session ends"
             )
-        if self._compiled is not None:
-            self._close_compiled()
-        elif not self._quiet:
+        if pushed:
             torch._C._autograd._pop_saved_tensors_default_hooks()
+        pair, self._pair = self._pair, None
+        if pair is not None:
+            pair.closed()
+            self._pair_plan = getattr(pair, "plan", None)
         self._pushed.pop()
         active.pop()
-        if self._compiled_alone:
-            self._compiled_alone = False
-            self._quiet = False
-            if not active:
-                _modules.forget_stack()
-            self._ctx.closed()
-            self._ctx.flush_warnings()
-            return
         self._stats.fold()
         if self._step is not None:
             self._step.session_exited()
         if self._planner is not None:
             self._planner.end()
-        if self._opened_quiet:  # rule 11: the model was never called, or could not decide
+        if self.opened_quiet:  # rule 11: the model was never called, or could not decide
             self._decided()
-            if self.profile is not None:
-                self.profile.did_not_stay_quiet()
         if not active:
             _modules.forget_stack()
-        if not self._quiet:
+        if self._machine.hooked:
             _modules.untrack()
-        self._quiet = False
+        self._machine.move(Event.CLOSE, State.CLOSED)
         self._ctx.closed()
         self._ctx.flush_warnings()
 
@@ -863,7 +786,9 @@ class Session(contextlib.ContextDecorator):
 
         Called by the selector's planning at the model's first call.
         """
-        if self._quiet or self.record or self.verify or self._pushed != [True]:
+        if not self._machine.hooked or self._pair is not None:
+            return False  # a pair's step is planned by the compiler (NOTE [ Compiled code ])
+        if self.record or self.verify or self._pushed != [True]:
             return False
         active = _active()
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -873,11 +798,10 @@ class Session(contextlib.ContextDecorator):
         if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
             torch._C._autograd._push_saved_tensors_default_hooks(*top)  # hooks below: not alone
             return False
-        self._quiet = True
+        self._machine.move(Event.GO_QUIET, State.QUIET)
         _modules.untrack()
         self._step = None  # the profile times the step as quiet (rule 8 of NOTE [ Profile ])
-        with self._stats._lock:
-            self._stats.quiet += 1
+        self._count_quiet()
         return True
 
     # Hooks ----------------------------------------------------------------------------
@@ -986,16 +910,15 @@ class Session(contextlib.ContextDecorator):
         return self.unpack(saved)
 
     @property
-    def plan(self) -> Plan | None:
+    def plan(self) -> Any:
         """The plan this session followed (``Auto`` with a profile, from step two), or None.
 
         See :class:`~tensorstash.planning.plan.Plan`: the modules recomputed, each site's
         tier, the predicted step time and real peak; ``plan.table()`` for people.
         """
-        if self._compiled_plan is not None:
-            return self._compiled_plan  # type: ignore[return-value]
-        planner = self._planner
-        return getattr(planner, "plan", None)
+        if self._pair_plan is not None:
+            return self._pair_plan
+        return getattr(self._planner, "plan", None)
 
     @property
     def decisions(self) -> list[dict[str, Any]]:
@@ -1053,7 +976,7 @@ class Session(contextlib.ContextDecorator):
         address: int,
         policy: Any,
         why: Reason | None,
-        record: SiteRecord | None,
+        record: Any,
         wrapper: Tensor | None,
     ) -> _Saved | tuple[Tensor, int]:
         """Rules 4 to 6 for a tensor a policy packs (or a selector defers)."""
@@ -1183,7 +1106,7 @@ def stash(
     min_bytes: int = DEFAULT_MIN_BYTES,
     workers: int = 2,
     record: bool = False,
-    profile: Profile | None = None,
+    profile: Records | None = None,
     verify: bool = False,
 ) -> Session:
     """Move the tensors autograd saves for backward out of the way.
@@ -1236,7 +1159,7 @@ def stash(
         raise TypeError(f"tensorstash.stash: record must be True or False; got {record!r}")
     if not isinstance(verify, bool):
         raise TypeError(f"tensorstash.stash: verify must be True or False; got {verify!r}")
-    if profile is not None and not isinstance(profile, Profile):
+    if profile is not None and not isinstance(profile, Records):
         raise TypeError(
             f"tensorstash.stash: profile must be a tensorstash.Profile; got {profile!r}"
         )
@@ -1266,7 +1189,7 @@ def pause() -> Iterator[None]:
     """
     popped: list[tuple[Session, Any]] = []
     active = _active()
-    if active and active[0]._opened_quiet:
+    if active and active[0].opened_quiet:
         active[0].wake()  # rule 11 of NOTE [ Session ]: what is paused are its hooks
     for session in reversed(active):
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)

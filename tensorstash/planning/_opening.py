@@ -1,0 +1,118 @@
+"""How an ``Auto`` step opens (NOTE [ Quiet-step machine ] in session/quiet.py): with the
+session's hooks, quiet, or with a compiler's pair (NOTE [ Compiled code ] in compiler.py).
+
+Only a session alone (no other hooks, no ``record`` or ``verify``, grad enabled) with
+a profile opens otherwise than hooked:
+
+1. Where the profile's steps ran compiled code, the step is planned whole by
+   the compiler's search (rule 6 of NOTE [ Compiled code ]): it opens quiet,
+   with the pair of the setting the search gives it, or with nothing pushed
+   where what the compiled graphs keep fits.
+2. Else, where the last step went quiet and this one measures nothing, it
+   opens quiet and waits for the model's call (rule 9 of NOTE [ Profile ]).
+3. Else, while the profile does not know yet whether its steps run compiled
+   code, it opens hooked under the default partitioner's pair, which hands
+   eager code's tensors to the session's hooks and tells, at the step's end,
+   whether compiled graphs ran (rule 5 of NOTE [ Compiled code ]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tensorstash.core.policy import Context
+from tensorstash.planning import compiler
+from tensorstash.session.quiet import HOOKED, Opening, State
+
+OPENED_QUIET = Opening(State.OPENED_QUIET)
+
+
+class CompiledPair:
+    """A compiler's pair for one step (the :class:`~tensorstash.session.quiet.Pair` the
+    session pushes in its place), and what the step told the profile."""
+
+    def __init__(self, step: compiler.CompiledStep, profile: Any, *, whole: bool) -> None:
+        self.step = step
+        self.profile = profile
+        self.whole = whole  # the step is planned whole (rule 1), not detecting (rule 3)
+        self.pack = step.pair.pack
+        self.unpack = step.pair.unpack
+        self.plan: compiler.CompilerPlan | None = None
+
+    def hand(self, pack: Callable[[Tensor], Any], unpack: Callable[[Any], Tensor]) -> None:
+        compiler.handing(pack, unpack)
+
+    def closed(self) -> None:
+        compiler.handed()
+        search = self.step.exited()
+        known = compiler.known(self.profile)
+        if search is None and not self.whole:
+            known.compiled = False
+        elif search is not None:
+            known.compiled = True
+            self.plan = search.plan()
+
+
+class CompiledStepPlanning:
+    """The planning of a step of compiled code planned whole (rule 1): nothing to
+    choose for eager tensors, which stay where they are."""
+
+    choose = None
+
+    def __init__(self, opening: Opening, search: compiler.CompiledSearch) -> None:
+        self.opening = opening
+        self.search = search
+
+    @property
+    def plan(self) -> compiler.CompilerPlan:
+        return self.search.plan()
+
+    def woke(self) -> None:
+        return None
+
+    def end(self) -> None:
+        return None
+
+
+def compiled_planning(auto: Any, ctx: Context, min_bytes: int) -> CompiledStepPlanning | None:
+    """Rule 1: the planning of a step of compiled code, or None where the profile's steps
+    did not run compiled code (or it is not known yet)."""
+    profile = ctx.profile
+    if profile is None or not compiler.dynamo_live():
+        return None
+    if not compiler.known(profile).compiled:
+        return None
+    device = compiler.known(profile).device or torch.device("cpu")
+    search = compiler.search_for(profile, auto.device_budget, auto.budget_bytes(ctx, device))
+    setting = search.setting_for_step()
+    if setting is None:
+        return CompiledStepPlanning(Opening(State.QUIET), search)
+    timed = None if search.settled else device  # rule 5: settled steps are not timed
+    step = compiler.CompiledStep(search, setting, min_bytes, timed, known=True)
+    pair = CompiledPair(step, profile, whole=True)
+    return CompiledStepPlanning(Opening(State.QUIET, pair), search)
+
+
+def detecting(auto: Any, ctx: Context, min_bytes: int, quiet: bool) -> Opening:
+    """Rules 2 and 3: how a step that is not planned whole opens."""
+    profile = ctx.profile
+    if quiet:
+        return OPENED_QUIET
+    if (
+        profile is None
+        or not compiler.dynamo_live()
+        or compiler.known(profile).compiled is not None
+    ):
+        return HOOKED
+    compiler.prepare()  # before the profile's step begins: one-time work
+
+    def search(device: torch.device) -> compiler.CompiledSearch:
+        compiler.known(profile).device = device
+        return compiler.search_for(profile, auto.device_budget, auto.budget_bytes(ctx, device))
+
+    step = compiler.CompiledStep(search, 1.0, min_bytes, None)
+    return Opening(State.HOOKED, CompiledPair(step, profile, whole=False))
