@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 BENCH_ARGS ?=
 
-.PHONY: bench test test-all lint types check install clean
+.PHONY: bench test test-all lint types check install clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,15 @@ types: install
 	$(BIN)/mypy
 
 check: lint types test
+
+# The documentation and the API reference (mkdocs.yml), built strictly: a broken link
+# or a docstring mkdocstrings cannot read fails. The docs tools install once (the stamp).
+$(VENV)/.docs-installed: $(VENV)/.installed pyproject.toml
+	$(PIP) install -c constraints.txt --no-build-isolation -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	$(BIN)/mkdocs build --strict --site-dir build/site
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
