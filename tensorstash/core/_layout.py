@@ -1,5 +1,7 @@
 """How a strided tensor becomes a flat run of bytes and back, with its exact geometry.
 
+The measurement behind rule 4 is in docs/figures/tiers-and-memory.md.
+
 # NOTE [ Geometry ]
 Gradient kernels can depend on strides (a channels_last convolution picks other
 kernels than a contiguous one, with other rounding), so a tensor brought back
@@ -17,9 +19,8 @@ must have the size and stride it was saved with, not only the same values.
    :func:`unfilled`. Under ``torch.use_deterministic_algorithms(True)`` torch
    fills every ``torch.empty`` with NaN (or the largest integer) so that a read
    of uninitialized memory gives the same bits each run. The stash never reads
-   such bytes, and the fill costs a pass over the buffer: on an H200 the
-   bench's ``large`` model (deterministic, as the bench runs on CUDA) took
-   1.56x no stash's step under ``CpuOffload`` with the fill, 1.15x without.
+   such bytes, and the fill costs a pass over the buffer: a large share of a
+   step that copies every saved byte (``CpuOffload`` on a GPU).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """Real memory over a step: what the process holds, not what a stash counts.
 
+The measurements behind these rules are in docs/figures/tiers-and-memory.md.
+
 # NOTE [ Real memory ]
 1. On the CPU the real peak of a step is the most the process's resident set
    grew over it: Linux's high-water mark (``VmHWM`` in /proc/self/status)
@@ -15,11 +17,11 @@
    glibc keeps freed memory, so a step would otherwise reuse the last step's
    pages and show no growth at all (see DESIGN.md, measured facts). Every
    variant starts from the same trimmed heap, and its step time includes the
-   first touch of the fresh pages it uses (about 1.2 GB/s on the 2-core
-   machines here), as in a process just started. On CUDA, where the real
-   peak is the device's (rule 5), garbage is collected and the heap kept:
-   a step there would fault in the interpreter's pages for nothing it
-   measures, and a step bound by launching kernels pays that in full.
+   first touch of the fresh pages it uses, as in a process just started. On
+   CUDA, where the real peak is the device's (rule 5), garbage is collected
+   and the heap kept: a step there would fault in the interpreter's pages
+   for nothing it measures, and a step bound by launching kernels pays that
+   in full.
 4. Everything the process holds counts: bytes a stash counts as "disk" that
    still wait for the writer, compressed buffers, allocator slack, the
    recomputation of a checkpointed block.
@@ -34,11 +36,9 @@
 7. On the CPU a meter also counts the bytes the region faulted in (minor page
    faults, ``getrusage``, process-wide, times the page size): memory handed
    back to the OS costs its first touch again when the heap reuses it, so this
-   is where a step that returns memory pays for it. On an HF GPT-2 config (4
-   layers, d=256, batch 4x128) no stash faulted 105-118 MiB a step from the
-   trimmed heap of rule 3, a disk spill with ``trim_every=None`` 83 MiB, and
-   with the default trim 186-199 MiB: about 86 MiB more, which at the first
-   touch's rate is most of what the spill adds to the step.
+   is where a step that returns memory pays for it: a trimmed disk spill
+   faults in well beyond what no stash or an untrimmed spill does, and at the
+   first touch's rate that is most of what the spill adds to the step.
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ def host_ram() -> tuple[int, int]:
 
     Linux's ``MemAvailable`` and ``MemTotal`` from /proc/meminfo, what
     ``psutil.virtual_memory()`` reports there, read through one descriptor
-    the process keeps open (system-wide: a forked child may share it) in
-    about 10 us against psutil's 50-250 us (it opens the file and parses every
-    line): Auto reads it every step. Elsewhere, or on a kernel without
+    the process keeps open (system-wide: a forked child may share it), several
+    times faster than psutil, which opens the file and parses every line:
+    Auto reads it every step. Elsewhere, or on a kernel without
     ``MemAvailable``, psutil.
     """
     global _meminfo

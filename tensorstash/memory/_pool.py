@@ -1,5 +1,7 @@
 """The session pool: freed activations that leave the process, or are used again at once.
 
+The measurements behind these rules are in docs/figures/tiers-and-memory.md.
+
 # NOTE [ Session pool ]
 1. On glibc, memory a step frees stays in the process and the next blocks land
    on other free pages (NOTE [ Returning memory ] in _trim.py, rules 1 and 10):
@@ -29,39 +31,29 @@
    that served a request only with a block of its size, and kept ``cap``
    bytes waiting however few were in use, mapped anew most blocks whose size
    no block waiting had (under bf16 autocast, casts and activations of many
-   sizes): ``Auto`` at half the activation bytes of the GPT-2 config in rule
-   3 faulted in 87 MiB a step, against 48 MiB with splitting, growing and
-   the high-water mark, at 1.15x checkpointing's step against 1.01-1.04x.
+   sizes), and faulted them in: splitting, growing and the high-water mark
+   keep a planned step about as fast as checkpointing.
 2. A disk spill takes the pool once it has written ``trim_every`` bytes, and
    until then trims as before (NOTE [ Returning memory ] in _trim.py); when it
    takes it, it hands the heap's free memory back once. A session that frees
    less than what it may keep has nothing to gain, and the pool would map its
    blocks anew where glibc's heap has them resident: with the pool from the
-   first spill, the disk check's single 16 MiB spill ran at 0.43-0.57 of raw
-   file I/O (0.44-0.51 with blocks split and grown), against 0.75-1.03
-   without it (every block of its backward faulted in: about 0.5 ms per MiB
-   on these machines, against 0.04 ms to write over resident pages).
-3. Measured on an HF GPT-2 config (4 layers, d=256, batch 4x128; 2 cores, 16
-   interleaved rounds, each step from a trimmed heap; growth of the resident
-   set over the step against no stash's, step time against no stash's or
-   checkpointing every block's in the same round; ``benchmarks/session_pool.py``):
-   a disk spill with the pool held 0.33 of no stash's peak at 1.27x its step
-   (faulting in 66 MiB a step), against 0.46 at 1.49x trimming (153 MiB);
-   ``Auto`` at half the activation bytes held 0.38 at 0.85x checkpointing's
-   step (41 MiB), against 0.69 at 1.03x trimming (106 MiB), where
-   checkpointing held 0.75. ``Auto``'s cap, "auto", is a quarter of the
-   step's activation bytes (at least 8 MiB; ``auto.POOL_LEAST``). With a
-   pool that served only blocks of a request's size, a cap of three
-   quarters, its trimming threshold, kept the sweep's bf16 ``auto:50%`` at
-   0.98 of no stash's peak (blocks no later request fitted), against 0.71 at
-   a quarter; and unmapping the oldest blocks waiting whenever a request
-   found none that fits held less (0.35 and 0.60) but mapped and faulted in
-   anew the blocks later requests would have taken: 1.03x and 1.29x
-   checkpointing's step. Under bf16 autocast, where a step is short, the
-   pool's mappings and unmappings cost 4-5 ms of a 0.1 s step on this config
-   (``PoolCounts.mapping_s``), and its steps took 1.04-1.10x those of the
-   same plan with no pool, for 0.58-0.60 of no stash's real peak against
-   0.67-0.70.
+   first spill, a single large spill ran far below raw file speed, since
+   every block of its backward was faulted in, and faulting a page in costs
+   many times what writing over a resident one does.
+3. A step that frees much gains most: with the pool, a disk spill and a
+   planned ``Auto`` step each hold less at their real peak, and take less
+   time, than trimming the heap (NOTE [ Returning memory ]) lets them.
+   ``Auto``'s cap, "auto", is a quarter of the step's activation bytes (at
+   least 8 MiB; ``auto.POOL_LEAST``): with a pool that served only blocks of
+   a request's size, a cap of three quarters, its trimming threshold, kept
+   blocks no later request fitted and held nearly what no stash holds; and
+   unmapping the oldest blocks waiting whenever a request found none that
+   fits held less but mapped and faulted in anew the blocks later requests
+   would have taken, a slower step. Where a step is short (under bf16
+   autocast) the pool's mappings and unmappings (``PoolCounts.mapping_s``)
+   are a visible share of it: a plan's step is a little slower with the
+   pool than without, for a lower real peak.
 4. The pool serves while any session holds a :class:`Lease` (a disk
    spill's from rule 2's point until its graph is freed, ``Auto``'s over the
    step its ``Watch`` covers), with the largest cap asked for. It serves

@@ -1,13 +1,14 @@
 """Handing memory a spill freed back to the operating system.
 
+The measurements behind these rules are in docs/figures/tiers-and-memory.md.
+
 # NOTE [ Returning memory ]
 1. A spill frees a saved tensor's bytes once they are written, but on glibc
    the process keeps them: once a large block is freed, glibc raises its mmap
    threshold, so later activations come from the heap, and freed heap memory
    stays mapped. Later allocations do not prefer the pages still resident, so
-   a step walks over the whole free heap: on an HF GPT-2 config (4 layers,
-   d=256, batch 4x128) a disk spill of every activation lowered peak RSS
-   growth only from 105 to 85-98 MiB.
+   a step walks over the whole free heap, and a disk spill of every
+   activation, left at that, lowers the resident set's growth only a little.
 2. So the stash returns it, when it must: after each value written and each
    value read back (on the writer and the workers, or on the training thread
    where it does the I/O itself; rule 3 of NOTE [ Spill files ] in disk.py),
@@ -20,19 +21,15 @@
    that reuses memory already resident grows nothing and never calls it; a
    step that walks over free memory (glibc places a new block on free pages
    whether resident or not) is held to about ``trim_every`` above what it
-   uses. Read buffers are not from the heap
-   (NOTE [ Read buffers ] in _buffers.py), or every call would hand back the
-   blocks the next reads land on.
-3. The cost: each call frees the pages it hands back (2-4 ms for about 30 MiB
-   here; a call with nothing to hand back, 0.1 ms), and pages returned
-   are faulted in again when the heap reuses them (about 1 GB/s on these
-   machines): the price of memory that really left. On the GPT-2 config of
-   rule 1 (quiet 2-core machine, benchmarks/disk_spill.py) trim_every=16 MiB
-   held peak RSS growth to 35 MiB against none's 105 MiB, with 8-10 calls and
-   about 100 MiB more page faults per step than trim_every=None, whose peak
-   growth was 76-87 MiB; the step cost 1.9x against 1.6x. Reading the
-   resident set (``/proc/self/statm``, through a descriptor kept open) costs
-   1.5 us per read.
+   uses. Read buffers are not from the heap (NOTE [ Read buffers ] in
+   _buffers.py), or every call would hand back the blocks the next reads
+   land on.
+3. The cost: each call frees the pages it hands back, and pages returned are
+   faulted in again when the heap reuses them: the price of memory that
+   really left. A smaller ``trim_every`` holds a lower peak for a slower
+   step; ``trim_every=None`` keeps the heap and its pages. The resident set
+   is read (``/proc/self/statm``) through a descriptor kept open, cheap
+   enough to read after every value.
 4. The other way, ``MALLOC_MMAP_THRESHOLD_`` (or ``mallopt``), makes every large
    allocation a fresh mapping returned at free: it changes the whole process
    for good (glibc stops adjusting the threshold) and makes every large
@@ -44,163 +41,107 @@
    the trimmer: a recomputed region drops its tensors in forward and makes
    them again in backward, where gradients and temporaries then walk over the
    free heap. There a ``Watch`` thread reads the resident set every 10 ms
-   (every 1 ms cost the step 8%: each read takes the interpreter from the
-   training thread), from the model's first call until the step's saved
+   (each read takes the interpreter from the training thread: reading more
+   often slowed the step), from the model's first call until the step's saved
    tensors are all freed (after backward, or when the graph is dropped), and
    trims on the same rule, ``Auto(trim_every=)``: by default three quarters
    of the step's activation bytes, and only where the plan holds at most two
    thirds of them (``plan.RETURNS_BELOW``): a plan that keeps most of its
    bytes frees too little for the pages faulted in again to pay. (The
    session pool faults nothing in twice, and serves every plan that saves
-   bytes: rule 15.) At three
-   quarters of the activation bytes (10 interleaved rounds each, 2 cores),
-   the watch took an HF GPT-2 config (4 layers, d=256, batch 4x128) from
-   0.88 of none's real peak at 0.98x none's step to 0.81 at 1.16x (float32),
-   and from 0.87 at 1.04x to 0.79 at 1.19x (bf16 autocast), where
-   checkpointing every block held 0.68 at 1.16x; the bench's ``small``
-   from 0.82 at 1.11x to 0.77 at 1.17x (float32). On an HF GPT-2 config (4 layers, d=256,
-   batch 4x128) at half its activation bytes, real peak growth against
-   none's, and step time against checkpointing every block (whose peak was
-   0.79 of none's; benchmarks/auto_trim.py, 12 rounds): no trimming 0.88 at
-   0.93x; 64 MiB 0.80 at 1.03x; 48 MiB 0.68 at 1.13x; 32 MiB 0.60 at 1.14x;
-   16 MiB 0.51 at 1.26x. (Before ``Auto`` turned off the key-value cache of a
-   model wrapped in the user's own module, these were 0.82-0.91 at
-   0.91-0.95x, 0.74-0.78 at 0.95-1.03x, 0.65-0.66 at 0.97-1.12x, 0.59-0.63 at
-   1.12-1.19x and 0.49-0.51 at 1.25x; the rules below were measured then.)
+   bytes: rule 15.) As for a disk spill, a smaller ``trim_every`` holds a
+   lower peak for a slower step.
 7. Handing memory back and faulting it in again is the price, so it is
    counted: ``StashStats.returned_bytes``, the bytes the resident set fell by
    over the session's calls, ``StashStats.returned_seconds``, the time the
-   calls took, and ``StashStats.returns``, the calls (for a
-   disk spill, of its writer and read-aheads; for ``Auto``, of its
-   ``Watch``). On the GPT-2 config of rule 1 a disk spill with the default
-   ``trim_every`` hands back about 90 MiB a step in 8 calls, which the step
-   then faults in again (``PeakRss.faulted_bytes``).
-8. Two ways to hand back less were measured there and left: releasing the
-   pages of each spilled tensor as soon as it was written and no one else
-   held its storage (``MADV_DONTNEED`` on its own block, no heap walk) lowered
-   the peak only to 0.70 of none's, since the rest of the heap still grew,
-   and with trimming on top it lay on the same memory and time curve; and
-   ``Auto`` trimming once, when forward ends, gave 0.77-0.79 of none's peak at
-   1.04-1.14x checkpointing's step, against 0.69-0.76 at 1.09-1.33x for a
-   48 MiB ``trim_every``: the same trade again, within the machine's noise.
-9. The price is what a call hands back, not how often it is called. On the
-   GPT-2 config of rule 1, ``Auto`` at half its activation bytes (a plan that
-   only recomputes) trimmed once a step, and the step faulted in about 50 MiB
-   more than untrimmed: 1.28x none's step at 0.60 of none's real peak,
-   against 1.11x at 0.83 untrimmed. Trimming only once the resident set passed
-   the plan's predicted real peak (a ceiling in place of the growth rule)
-   also called once a step and cost the same, 1.31x at 0.67. Faulting memory
-   in again costs about 0.4-0.5 ms per MiB on these machines, so only handing
-   back less makes a step cheaper. Likewise, trimming after a read-ahead's or
-   a write's result was handed over, rather than before, left a disk spill's
-   step as it was (1.92x against 1.91x).
-10. How far the walk of rule 1 goes, on the GPT-2 config of rule 1 after a
-   trim (``mallinfo2`` sampled beside the resident set): an untrimmed disk
-   spill held at most 15 MiB more in malloc's blocks than at the step's
-   start, while its resident set grew by 72 MiB during forward; torch
-   checkpointing of every block held at most 29 MiB more, and grew by 83 MiB.
-   The real peak is what a step walks, not what it holds. A setting of
-   ``M_MMAP_THRESHOLD`` does not stop it (a block is mapped only when no
-   free one fits). PyTorch's huge pages for its large blocks
-   (``THP_MEM_ALLOC_ENABLE=1``, read once per process) lowered the untrimmed
-   spill's growth to 60 MiB and none's to 86 MiB, but made neither step
-   faster, nor trimming cheaper. Nor does glibc's own trimming of the heap's
-   top at free (``M_TRIM_THRESHOLD`` of 1 MiB): ``Auto`` at half its
-   activation bytes, untrimmed, still grew by 0.89 of none's, and none then
-   faulted 131 MiB a step against 108. Transparent huge pages for the heap
-   (``madvise(MADV_HUGEPAGE)`` on it before each call, or glibc's
-   ``glibc.malloc.hugetlb=1`` tunable) cut the faults a step by a third for
-   every variant alike, so ``Auto`` at half its activation bytes stayed at
-   1.07-1.10x checkpointing's step (against 1.06-1.07x without).
+   calls took, and ``StashStats.returns``, the calls (for a disk spill, of
+   its writer and read-aheads; for ``Auto``, of its ``Watch``). What the step
+   then faults in again is ``PeakRss.faulted_bytes``.
+8. Two ways to hand back less were measured and left: releasing the pages of
+   each spilled tensor as soon as it was written and no one else held its
+   storage (``MADV_DONTNEED`` on its own block, no heap walk) lowered the
+   peak less, since the rest of the heap still grew, and with trimming on top
+   it lay on the same memory and time curve; and ``Auto`` trimming once, when
+   forward ends, made the same trade as a ``trim_every``, within the
+   machine's noise.
+9. The price is what a call hands back, not how often it is called: memory
+   handed back is faulted in again at a cost per byte, so only handing back
+   less makes a step cheaper. ``Auto`` calling once a step still faulted in
+   again what that call handed back, and the step paid for it; trimming only
+   once the resident set passed the plan's predicted real peak (a ceiling in
+   place of the growth rule) also called once a step and cost the same.
+   Likewise, trimming after a read-ahead's or a write's result was handed
+   over, rather than before, left a disk spill's step as it was.
+10. How far the walk of rule 1 goes: a step holds little more in malloc's
+   blocks than at its start (``mallinfo2``, sampled beside the resident set)
+   while its resident set grows several times that. The real peak is what a
+   step walks, not what it holds, and these settings neither stop the walk
+   nor make trimming cheaper: ``M_MMAP_THRESHOLD`` (a block is mapped only
+   when no free one fits); PyTorch's huge pages for its large blocks
+   (``THP_MEM_ALLOC_ENABLE=1``, read once per process: less growth, no faster
+   step); glibc's own trimming of the heap's top at free
+   (``M_TRIM_THRESHOLD``: nearly the same growth, more faults); transparent
+   huge pages for the heap (``madvise(MADV_HUGEPAGE)`` before each call, or
+   glibc's ``glibc.malloc.hugetlb=1`` tunable: fewer faults for every variant
+   alike, the same step times against each other).
 11. A training loop hands nothing back between steps: a step begins with
    the free memory the last one's backward left resident. Counted from the
    session's start, each step of a disk spill walked ``trim_every`` above
-   that, and the heap crept up until no step grew: over 20 SGD steps, each
-   variant alone in a fresh process (4 rounds, 2 cores), the most the
-   resident set grew was 0.82 of no stash's on the bench's ``small`` (1.39x
-   its step) and 0.80 on the GPT-2 config of rule 1 (1.83x), against
-   0.45-0.53 and 0.36-0.48 for one step from a trimmed heap. So a disk
-   spill's growth counts from where the last one handed memory back
-   (:class:`Floor`), if the resident set was lower there: 0.66-0.72 at
-   1.53-1.56x and 0.56-0.61 at 1.95-2.07x (``benchmarks/training_loop.py``;
-   untrimmed 0.83 at 1.35x and 0.89-0.93 at 1.41-1.45x; checkpointing every
-   block 0.71 at 1.37x and 0.81-0.85 at 1.24-1.40x). Only after a session
-   that wrote at least ``trim_every``: a loop that spills one 16 MiB tensor a
-   step otherwise handed back its own 50-80 MiB of temporaries every step,
-   and its spill ran at 0.33 of raw file I/O against 0.97. ``Auto``'s watch
-   counts from the step's start: in such a loop its first step, which keeps
-   everything, sets the heap's size, and no later step grows by
-   ``trim_every``, so at half the GPT-2 config's activation bytes the loop
-   held 1.00 of no stash's at 1.12x its step (``small``: 0.92 at 1.22x).
-   Counted from the floor, the watch held 0.80-0.83 at 1.43x, where
-   checkpointing held 0.85 at 1.24x: it was left as it is. A loop's plain
-   step also faults nothing, so against it every variant costs more than
-   against no stash from a trimmed heap (rule 3 of NOTE [ Real memory ]).
+   that, and the heap crept up until no step grew, far above what one step
+   from a trimmed heap holds. So a disk spill's growth counts from where the
+   last one handed memory back (:class:`Floor`), if the resident set was
+   lower there. Only after a session that wrote at least ``trim_every``: a
+   loop that spills a little each step otherwise hands back its own
+   temporaries every step, and its spill runs far below raw file speed.
+   ``Auto``'s watch counts from the step's start: in such a loop its first
+   step, which keeps everything, sets the heap's size, and no later step
+   grows by ``trim_every``, so the loop holds about what no stash holds.
+   Counted from the floor, the watch held less but cost more than
+   checkpointing every block: it was left as it is. A loop's plain step also
+   faults nothing, so against it every variant costs more than against no
+   stash from a trimmed heap (rule 3 of NOTE [ Real memory ]).
 12. Rules 1-11 are glibc's malloc. jemalloc (and tcmalloc) place a new block
    on memory freed recently, so a step does not walk its free memory and the
-   process holds about what it uses. Over 20 SGD steps
-   (``benchmarks/training_loop.py``, each variant alone in a fresh process,
-   4 rounds, 2 cores, growth from step 6 on), with jemalloc 5.3 preloaded
-   against glibc 2.36, on the GPT-2 config of rule 1: no stash grew by 78-79
-   MiB against 119; checkpointing every block by 0.50 of that at 1.31x its
-   step, against 0.78 at 1.23x; ``Auto`` at half its activation bytes 0.66
-   at 1.23x against 0.92 at 1.13x; a disk spill 0.49-0.50 at 1.35-1.47x
-   against 0.54 at 1.93x (untrimmed, 0.50 at 1.40x: its growth never reached
-   ``trim_every``). On the bench's ``small``: 69 MiB against 90; 0.51 at
-   1.36x against 0.73 at 1.35x; 0.67 at 1.28x against 0.80 at 1.23x; 0.46 at
-   1.32x against 0.67 at 1.64x. So memory goes back through the allocator
-   that serves ``malloc`` (:func:`find_allocator`, at import): glibc's
-   ``malloc_trim(0)``, jemalloc's purge of every arena (``mallctl``
+   process holds about what it uses: over a training loop every variant, no
+   stash included, held less under jemalloc than under glibc, and a disk
+   spill's growth seldom reached ``trim_every``. So memory goes back through
+   the allocator that serves ``malloc`` (:func:`find_allocator`, at import):
+   glibc's ``malloc_trim(0)``, jemalloc's purge of every arena (``mallctl``
    "arena.4096.purge"), tcmalloc's ``MallocExtension_ReleaseFreeMemory``.
    One counts as serving ``malloc`` only where its own count of the bytes
    allocated sees a ``malloc`` made through the process's symbols (another
    library may carry a private copy). An allocator has to be there before
    the process starts (``LD_PRELOAD``): the library loads none; the README
    shows how, and the bench names the allocator in its title.
-13. Three more ways for ``Auto`` to hand back less were measured on the GPT-2
-   config of rule 1 at half its activation bytes and left (steps from a
-   trimmed heap, 2 cores, 16 interleaved rounds a run, three runs, step time
-   against checkpointing every block in the same round): growth counted from
-   the resident set each call left rather than the lowest since, 1.07-1.13x
-   at 0.63-0.66 of none's real peak; a call only while the resident set
-   stands at the step's highest so far, 1.05-1.15x at 0.64-0.66; against
-   1.03-1.09x at 0.63-0.66 for the watch as it is. A ``trim_every`` of 52 or
-   56 MiB (0.83-0.89 of the activation bytes) has no setting between: the
-   peak jumps to 0.70-0.76 of none's, at 1.01-1.09x. Nor does recomputing
-   more than the plan chose pay for its calls: whole blocks (the first three,
-   or all four) held 0.61 and 0.57 at 1.07x and 1.16x, against the plan's
-   0.63 at 1.04x. Under jemalloc (rule 12) the watch seldom calls: ``Auto``
-   held 0.59 of none's peak at 1.00x none's step with it or without it,
-   where checkpointing held 0.46 at 1.17x.
-14. Three more ways for a disk spill were measured on the GPT-2 config of
-   rule 1 and left (steps from a trimmed heap, each beside no stash's in the
-   same round, 12 to 48 rounds, 2 cores; a disk spill as it is: 1.49-1.59x
-   at 0.45-0.47 of none's real peak). ``mallopt(M_MMAP_THRESHOLD, 128 KiB)``
-   while the session and its backward ran, put back to 32 MiB after:
-   beside steps that grew the heap it cost 1.26-1.27x at 0.73-0.76
-   untrimmed (new blocks still land on the free heap, rule 10), 1.55x at
-   0.45 with trimming; a process that only spills never grows its heap and
-   held 0.23 of none's peak, but every large block then faults (250 MiB a
-   step against none's 107) and the step cost 1.6-1.75x. A thread in C that
-   read the resident set every 1 ms without the interpreter, in place of
-   the calls after each value: 1.54x at 0.45 with ``trim_every`` 32 MiB,
-   1.51x at 0.52 with 40 MiB; what a call leaves resident (the step's live
-   memory, about 10 MiB) plus ``trim_every`` sets the peak, not how late the
-   call comes. Counting a step's growth from the floor of rule 11 even where
-   the step starts lower: 3.5 calls a step against 3.9, the same step time
-   (1.52x) and 0.50 of none's peak against 0.47 (rule 9).
+13. Three more ways for ``Auto`` to hand back less were measured and left:
+   growth counted from the resident set each call left rather than the
+   lowest since, and a call only while the resident set stands at the step's
+   highest so far, each held the same peak for a slower step than the watch
+   as it is; a ``trim_every`` a little above its default offers no point
+   between: the peak jumps up, for about the same step; and recomputing more
+   than the plan chose does not pay for its calls. Under jemalloc (rule 12) the watch
+   seldom calls: ``Auto`` holds the same with it or without it.
+14. Three more ways for a disk spill were measured and left: a low
+   ``mallopt(M_MMAP_THRESHOLD, ...)`` while the session and its backward ran,
+   put back after (beside steps that grew the heap, new blocks still land on
+   the free heap, rule 10; a process that only spills never grows its heap
+   and holds far less, but every large block then faults, and the step paid
+   for it); a thread in C that read the resident set every millisecond
+   without the interpreter, in place of the calls after each value (what a
+   call leaves resident, the step's live memory, plus ``trim_every`` sets
+   the peak, not how late the call comes); and counting a step's growth from
+   the floor of rule 11 even where the step starts lower (fewer calls, the
+   same step time, a higher peak: rule 9).
 15. Where the session pool is built (NOTE [ Session pool ] in _pool.py), a
    disk spill that wrote ``trim_every`` bytes and every planned step of
    ``Auto`` that saves bytes (whatever share of them it keeps) hold it in
    place of trimming: freed blocks serve later requests with their pages
    resident and are unmapped past the high-water mark plus the cap, so no
-   step walks a free heap and nothing is faulted in twice (on the HF GPT-2
-   config at three quarters of its activation bytes, float32, 10 rounds:
-   0.48 of no stash's real peak at 0.93x its step, against 0.90 at 1.02x
-   holding no pool). Rules
-   1-14 are what happens without it (or before a disk spill wrote that much:
-   it trims until then, and hands the heap's free memory back once when it
-   takes the pool).
+   step walks a free heap and nothing is faulted in twice, and a plan holds
+   far less, for a faster step, than with no pool. Rules 1-14 are what
+   happens without it (or before a disk spill wrote that much: it trims
+   until then, and hands the heap's free memory back once when it takes the
+   pool).
 """
 
 from __future__ import annotations
@@ -335,10 +276,10 @@ def release_free_heap() -> None:
 def resident_bytes() -> int:
     """The process's resident set in bytes (Linux ``/proc/self/statm``).
 
-    Read through one descriptor the process keeps open: a ``pread`` takes
-    1.5 us here, against 10 us to open, read and close the file, and a disk
-    spill reads it twice per value (rule 2). A forked child opens its own
-    (``self`` was the parent when the descriptor was opened).
+    Read through one descriptor the process keeps open: a ``pread`` is several
+    times cheaper than opening, reading and closing the file, and a disk spill
+    reads it twice per value (rule 2). A forked child opens its own (``self``
+    was the parent when the descriptor was opened).
     """
     fd = _statm if _statm >= 0 else _open_statm()
     return int(os.pread(fd, 256, 0).split()[1]) * PAGE_SIZE

@@ -1,5 +1,7 @@
 """The buffers spill files are read into: the stash's own memory, reused, and returned.
 
+The measurements behind these rules are in docs/figures/tiers-and-memory.md.
+
 # NOTE [ Read buffers ]
 1. A spill file is read straight into a buffer of the stash's own, an
    anonymous mapping, and autograd gets that memory as the unpacked tensor's
@@ -8,15 +10,15 @@
    memoryview its storage holds) and serves the next read of the same size.
    A step's reads land on memory already resident: no page faults, and no
    pieces of the allocator's heap, which places a new block on any free
-   pages, resident or not (on an HF GPT-2 config, reads into heap blocks that
-   had been handed back to the OS faulted 150 MiB per step; NOTE
-   [ Returning memory ] in _trim.py).
+   pages, resident or not: reads into heap blocks that had been handed back
+   to the OS faulted them in again every step (NOTE [ Returning memory ] in
+   _trim.py).
 3. At most ``max_cached_bytes`` of idle buffers are kept, process-wide;
    beyond that a returned buffer is unmapped at once, and its memory leaves
    the process.
 4. New buffers are mapped with MAP_POPULATE where there is one: the kernel
    fills the pages in one call, faster than faulting them in one at a time
-   during the read (9 ms against 15 ms for 16 MiB on these machines).
+   during the read.
 5. A forked child starts with an empty pool.
 """
 

@@ -1,5 +1,7 @@
 """Lossless codecs for a tensor's bytes: lz4 in chunks, with dtype-aware transforms.
 
+The measurements behind these rules are in docs/figures/tiers-and-memory.md.
+
 # NOTE [ Codec ]
 A payload is the 1-D uint8 view of a tensor's bytes (see NOTE [ Geometry ] in
 _layout.py). :func:`encode` turns it into an :class:`Encoded` value and
@@ -10,11 +12,11 @@ _layout.py). :func:`encode` turns it into an :class:`Encoded` value and
    bytes of floats sit together, and lz4 finds their repeats). "bits" packs
    0/1 bytes (bools) eight to a byte. "zeros" stores a bitmap of the elements
    whose bits are not all zero (-0.0 counts as nonzero) and those elements
-   compacted: lz4 alone gets about 1.5x on ReLU outputs, slowly, because the
-   zero runs there are too short for it.
+   compacted: lz4 alone compresses ReLU outputs little, and slowly, because
+   the zero runs there are too short for it.
 2. Blocks. A method's output is cut into independent lz4 blocks, one for each
-   segment of about ``chunk_bytes`` of the payload: lz4 is several times faster
-   on 256 KiB - 1 MiB blocks than on one large buffer, the blocks are
+   segment of about ``chunk_bytes`` of the payload: lz4 is faster on blocks
+   of a few hundred KiB than on one large buffer, the blocks are
    compressed and decompressed in parallel, and a transform working on one
    segment at a time stays in the CPU cache.
 3. Never larger. A block that lz4 does not shrink is kept as is (a block whose
@@ -27,9 +29,9 @@ _layout.py). :func:`encode` turns it into an :class:`Encoded` value and
    ops, each on at most ``_PIECE`` elements (fewer, larger ops hold the GIL
    for less Python work). Every codec op runs with one intra-op thread, on a
    worker and on the caller alike (``_one_thread``): the ops are small, and an
-   OpenMP team for each spins against the training step's threads (measured
-   on a loaded 2-core machine: 5-20x slower decoding on the caller with two
-   threads). A job that no worker has started when it is needed is run by
+   OpenMP team for each spins against the training step's threads, and on a
+   loaded machine decoding on the caller with two threads was many times
+   slower. A job that no worker has started when it is needed is run by
    the caller, so ``pool`` may be the executor the caller itself runs on,
    even a busy one.
 5. Element views. Transforms read elements as integers of the element's width
@@ -89,9 +91,8 @@ _LOW_BITS = 0x0101010101010101
 # enough to keep a few workers busy, few enough to bound the memory in flight.
 _AHEAD = 8
 # Elements a torch op works on at once (rule 4). A multiple of 64, so pieces
-# of a "zeros" segment start on whole 8-byte words of its bitmap. Measured on
-# the small bench model: 1 << 20 instead of 32768 took the lz4 step from
-# 3.6x to 3.1x of no stash.
+# of a "zeros" segment start on whole 8-byte words of its bitmap. Large, so a
+# job issues few ops: each op holds the GIL for its Python work.
 _PIECE = 1 << 20
 # Largest block accepted; lz4 handles at most about 2 GB in one call.
 _MAX_CHUNK_BYTES = 1 << 30
@@ -101,8 +102,9 @@ _MAX_CHUNK_BYTES = 1 << 30
 # estimate is only good to a few percent). A byte shuffle spends most of its
 # time in lz4 on the plane of high bytes (sign and exponent), 1/itemsize of
 # the payload: it pays when it saves at least _SHUFFLE_SAVING of that share,
-# 1.11x on float32 but 1.25x on bfloat16, whose activations it would store at
-# 1.2x at a fifth of the speed of leaving them raw (all that lz4 alone does).
+# 1.11x on float32 but 1.25x on bfloat16, whose activations it would store
+# only a little smaller, and far more slowly than leaving them raw (all that
+# lz4 alone does).
 _SAMPLE_WINDOWS = 4
 _SAMPLE_BYTES = 16 * 1024  # 64 KiB in all
 _MIN_RATIO = 1.1

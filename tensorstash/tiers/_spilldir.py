@@ -146,7 +146,7 @@ def warn_if_ram_backed(
     """Warn once per directory if ``parent`` is on tmpfs or ramfs (rule 1); its type if so.
 
     The process's mount table is read once per directory: ``stash("disk")`` makes
-    a DiskSpill every step, and reading it took 0.3 ms a time.
+    a DiskSpill every step, and each read parses the whole table.
     """
     key = os.path.realpath(parent)
     if mounts is not _mounts:

@@ -1,5 +1,7 @@
 """CpuOffload: device tensors to (pinned) host RAM, copied asynchronously on side streams.
 
+The measurements behind these rules are in docs/figures/tiers-and-memory.md.
+
 # NOTE [ Streams ]
 On CUDA every cross-stream use is ordered by an event or a ``wait_stream``:
 
@@ -30,11 +32,9 @@ On CUDA every cross-stream use is ordered by an event or a ``wait_stream``:
    ``produced``, the event recorded on the producer's stream at pack (the
    copy stream waits for it too), and the source is marked as used by the
    consumer. Backward needs the tensors saved last first, often before their
-   copy out ends: on the bench's ``large`` (H200), a step under ``cpu``
-   peaked at 4.1 GiB, against 3.1 GiB where each module waited for its
-   copies to end; the difference is the size of the loss head's log-softmax
-   output, the last tensor saved and the first backward brought back, as a
-   second device tensor beside its source.
+   copy out ends: brought back as a second device tensor beside its source,
+   such a tensor (the loss head's log-softmax output, the last saved and the
+   first backward brings back) raised the step's device peak by its size.
 """
 
 from __future__ import annotations

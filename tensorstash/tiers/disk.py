@@ -1,5 +1,10 @@
 """DiskSpill: saved tensors written to a private directory, read back with a checksum.
 
+The spill file, its extents and the raw reads and writes are in _spillfile.py;
+what a session's spills share (writes in flight, memory returned) in
+_spillwork.py. The measurements behind these rules are in
+docs/figures/tiers-and-memory.md.
+
 # NOTE [ Spill files ]
 1. Each process spills into its own directory ``tensorstash-<pid>-<random>``,
    mode 0700, made inside the directory the user names (default: the system
@@ -24,13 +29,12 @@
    training thread wait with it. There the training thread writes a CPU tensor
    as it is packed and reads it as it is unpacked, and the prefetch only asks
    the kernel to read the extent ahead (``POSIX_FADV_WILLNEED``), which helps
-   once the page cache has let the bytes go. On an HF GPT-2 config (4 layers,
-   d=256, batch 4x128, 2 cores, 2 torch threads) that cost 1.29x none's step
-   against 1.38x on threads, untrimmed, and 1.52x against 1.64x at
-   ``trim_every=32 MiB``; with the reads and writes left out, 1.07x against
-   1.18x. A device tensor's copy, and a value an earlier stage may still be
-   making (Lz4's), always go to the writer, and ``background=True`` sends
-   every value there (a slow disk, whose writes may then wait on the device).
+   once the page cache has let the bytes go. On such a machine a step costs
+   less this way than with the same I/O on threads, trimmed or not, and also
+   with the reads and writes themselves left out. A device tensor's copy, and a value an
+   earlier stage may still be making (Lz4's), always go to the writer, and
+   ``background=True`` sends every value there (a slow disk, whose writes may
+   then wait on the device).
 4. The data path. The writer takes the value's buffers through the Spillable
    protocol (rule 2 of NOTE [ Tiers ] in policy.py), whatever stage made
    them, and writes them with ``pwritev``: one copy, into the page cache. The
@@ -39,40 +43,33 @@
    core's cache (small buffers go together, one call for many); a read goes
    straight into the buffer handed back, the stash's own (NOTE [ Read
    buffers ] in _buffers.py), a piece at a time, each hashed right after it
-   is read. Hashing a whole value before writing it, and after reading it,
-   read every byte from memory twice: 16 MiB of random fp32 spilled and read
-   back at 0.83-0.87 of raw file I/O, against 0.86-0.92 in pieces (60
-   shuffled rounds, a 2-core machine). The length read and the checksum are
+   is read: hashing a whole value before writing it, and after reading it,
+   reads every byte from memory twice. The length read and the checksum are
    checked after the last piece. Bytes that come back short or corrupted raise
-   :class:`SpillError` naming the tensor. Nothing is ever unpickled.
-   ``O_DIRECT`` (writes straight from the tensor's pages, reads into the
-   page-aligned buffers) was measured and left: it spares the copies, but a
-   read then waits on the device (0.8 GB/s a stream on a 2-core machine,
-   against several GB/s from the page cache), and an HF GPT-2 config's step
-   (4 layers, d=256, batch 4x128) cost 2.17x none's against 1.86x buffered.
-   Mapping the extent (``mmap`` with ``MAP_POPULATE``) in place of the read
-   was no faster there (1.33x against 1.35x untrimmed; a private writable
-   mapping copied every page, 1.71x), nor was ``posix_fallocate`` ahead of
-   the writes (1.36x against 1.35x).
+   :class:`SpillError` naming the tensor. Nothing is ever unpickled. Three
+   other paths were measured and left, none faster: ``O_DIRECT`` (writes
+   straight from the tensor's pages, reads into the page-aligned buffers)
+   spares the copies, but a read then waits on the device rather than coming
+   from the page cache, and steps got slower; mapping the extent (``mmap``
+   with ``MAP_POPULATE``) in place of the read (a private writable mapping
+   copies every page); and ``posix_fallocate`` ahead of the writes.
 5. A full disk (ENOSPC, EDQUOT), or a session past ``max_disk_bytes``, keeps
    the value in memory instead, with one warning per session and a count in
    ``stats.fallbacks`` ("disk full", "disk cap").
-6. A session's values share a spill file (:class:`_SpillFile`); each value
-   owns an extent of it (:class:`Extent`), page-aligned, taken while the
+6. A session's values share a spill file (``SpillFile`` in _spillfile.py);
+   each value owns an extent of it (``Extent``), page-aligned, taken while the
    value is alive, at most once, and given back when the value is freed, or,
    if the writer or a read-ahead is at work on it then, when that work ends.
    Freed extents are reused; the file is closed, and the kernel frees it, when
    its last extent is given back. Work in flight holds the extent and the
    bytes, never the packed value, so a freed graph leaves no file open once
    ``gc.collect()`` returns and the work in flight ends. One file a session
-   costs one ``open`` and one ``close`` a step; a file per value (create,
-   open to read, unlink) cost an HF GPT-2 config's step (4 layers, d=256,
-   batch 4x128, 59 values) 1.54x none's against 1.29-1.34x for one file,
-   with untrimmed memory, on a 2-core machine. Writing over the pages of a
-   file kept open from the last step, rather than filling a new one, cost
-   that step 0.06-0.1x less again (the kernel allocates page-cache pages at
-   about 5 GB/s here, and copies into existing ones at 15), but such a file
-   would outlive the graph that wrote it: it is not kept.
+   costs one ``open`` and one ``close`` a step, where a file per value
+   (create, open to read, unlink) costs three calls a value. Writing over the
+   pages of a file kept open from the last step, rather than filling a new
+   one, would be cheaper still (the kernel copies into page-cache pages it
+   has faster than it allocates new ones), but such a file would outlive the
+   graph that wrote it: it is not kept.
 7. Bytes a spill frees must leave the process. Once a session has written
    ``trim_every`` bytes, and until its graph is freed, it holds the session
    pool (NOTE [ Session pool ] in _pool.py, rule 2) with ``trim_every`` as its
@@ -97,12 +94,11 @@
    held open: one deleted from outside is replaced for its policies, and its
    name may lead elsewhere since. Directories left by dead processes of the
    same user are removed when a new one is made. A policy made for each
-   step (``stash("disk")``) makes and removes a directory each step: 0.4-0.9
-   ms on a loaded 2-core machine, most of it the file system's mkdir and
-   rmdir; one policy kept across steps makes one. A forked child makes its
-   own directory and file, closes its copies of its parent's descriptors as
-   it frees them, and never removes its parent's directory, writes to its
-   parent's file or gives back its extents.
+   step (``stash("disk")``) makes and removes a directory each step (the file
+   system's mkdir and rmdir); one policy kept across steps makes one. A
+   forked child makes its own directory and file, closes its copies of its
+   parent's descriptors as it frees them, and never removes its parent's
+   directory, writes to its parent's file or gives back its extents.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """recompute(): regions whose activations are dropped in forward and recomputed in backward.
 
+The measurements behind these rules are in docs/figures/tiers-and-memory.md.
+
 # NOTE [ Recompute ]
 1. Recompute cannot be a per-tensor pack: unpack would need the region's
    function and inputs. A region is run under non-reentrant
@@ -39,18 +41,15 @@
    and the host's time in it where that is longer: where launching kernels
    bounds backward, the device reaches the first event late, still running
    what backward queued before it, and the pair spans only what is left of
-   the host's time, which is what the step pays
-   (on the bench's ``medium``, an H200 step bound by launching kernels,
-   recomputing every block added about 22 ms to a 23 ms step while their
+   the host's time, which is what the step pays. On such a step the blocks'
    forward times, measured with the profile's timing of every module, summed
-   to 53 ms; untimed, the plan took a negative base). A module's forward time is a poor
+   to more than twice what recomputing them added, and a plan that priced
+   recompute by them took a negative base. A module's forward time is a poor
    guess: forward allocates what backward's recompute lays over pages forward
-   freed (HF GPT-2 blocks on a trimmed heap: forward 24 ms, recompute 11 ms),
-   and a measured forward carries the profile's timing of every module in it
-   (the HF GPT-2 config's four blocks, with :func:`recompute` on each: about
-   100 ms of forward, cold, and 51-55 ms of recompute). A module that
-   :func:`recompute` wraps is timed alike, so a plan knows what the user's
-   own recompute costs a step.
+   freed, so on a trimmed heap a block's recompute takes well under its
+   forward, and a measured forward carries the profile's timing of every
+   module in it. A module that :func:`recompute` wraps is timed alike, so a
+   plan knows what the user's own recompute costs a step.
 """
 
 from __future__ import annotations
