@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import tensorstash as ts
-from tensorstash.session.stash import LEAF
+from tensorstash.session.rules import LEAF
 
 MiB = 1 << 20
 SKIPPED = ("parameter", "deduplicated", LEAF)

@@ -181,13 +181,13 @@ def test_pause_pushes_back_the_hooks_it_popped(hooks: str) -> None:
 @pytest.mark.slow  # a new Python process
 def test_pure_python_env_turns_the_extension_off() -> None:
     code = (
-        "import importlib; f = importlib.import_module('tensorstash._fastpath'); "
-        "s = importlib.import_module('tensorstash.stash'); print(f.compiled, s._Kept)"
+        "import importlib; f = importlib.import_module('tensorstash.core._fastpath'); "
+        "s = importlib.import_module('tensorstash.session.values'); print(f.compiled, s.Kept)"
     )
     env = {**os.environ, "TENSORSTASH_PURE_PYTHON": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[0] == "None" and "_PyKept" in out.stdout
+    assert out.stdout.split()[0] == "None" and "PyKept" in out.stdout
 
 
 @pytest.mark.slow

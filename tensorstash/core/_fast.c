@@ -2,7 +2,7 @@
  *
  * Three types, each with a pure-Python twin that behaves the same:
  *   HotCounts  the counts the pack hook keeps without a lock (stats.HotCounts);
- *   Kept       a tensor kept where it is (stash._Kept);
+ *   Kept       a tensor kept where it is (values.Kept);
  *   Hooks      pack and unpack for a session whose common case is C's:
  *              anything else is handed to the session's own Python hooks.
  *
@@ -19,7 +19,7 @@
 
 static PyObject *s_nbytes, *s_grad_fn, *s_sequence_nr, *s_detach, *s_version, *s_requires_grad,
     *s_base, *s_is_leaf, *s_data_ptr, *s_reread, *s_stack, *s_live_bytes, *s_last,
-    *s_sweep_at, *s_sweep, *s_pack_chosen, *s_prefetch_from, *s_is_cpu;
+    *s_sweep_at, *s_sweep, *s_is_cpu;
 
 /* -- a tensor's fields ----------------------------------------------------------------- */
 
@@ -249,7 +249,7 @@ static PyTypeObject KeptType = {
     .tp_name = "tensorstash.core._fast.Kept",
     .tp_basicsize = sizeof(KeptObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A tensor kept where it is, as autograd holds it (see stash._Kept).",
+    .tp_doc = "A tensor kept where it is, as autograd holds it (see values.Kept).",
     .tp_new = Kept_new,
     .tp_dealloc = (destructor)Kept_dealloc,
     .tp_weaklistoffset = offsetof(KeptObject, weakrefs),
@@ -261,12 +261,12 @@ static PyTypeObject KeptType = {
 
 typedef struct {
     PyObject_HEAD
-    PyObject *session;       /* the Session: _last, _pack_chosen, _prefetch_from */
+    PyObject *owner;         /* the Session: only told apart from others, never called */
     PyObject *pack_slow;     /* the session's Python pack hook */
     PyObject *unpack_slow;   /* the session's Python unpack hook */
     HotObject *hot;
     PyObject *kept_tier;     /* stats.tiers["kept"]: live_bytes */
-    PyObject *dedupe;        /* stash._Dedupe */
+    PyObject *dedupe;        /* values.Dedupe: sweep_at, sweep() */
     PyObject *values;        /* its dict: address -> weakref or list */
     PyObject *state;         /* _modules._state: address -> parameter or buffer */
     PyObject *thread;        /* _modules._Thread of the session's thread */
@@ -278,15 +278,18 @@ typedef struct {
     PyObject *keep_type;     /* policy.Keep */
     PyObject *copies;        /* frozenset of the node types of parameter copies */
     PyObject *sequence_nr;   /* torch._C._autograd._get_sequence_nr */
+    PyObject *pack_chosen;   /* (tensor, address, policy, why, record, wrapper): a policy packs */
+    PyObject *prefetch;      /* (prev): bring back the packed values before a kept one */
+    PyObject *order;         /* values.Order: ``last``, the value packed last */
     Py_ssize_t min_bytes;
-    unsigned long owner;     /* the thread that pushed the hooks: ``thread`` is its state */
+    unsigned long pusher;    /* the thread that pushed the hooks: ``thread`` is its state */
 } HooksObject;
 
 static PyTypeObject HooksType;
 
 /* The Hooks' references, in the order of Hooks_init's keyword arguments. */
 static const Py_ssize_t hooks_refs[] = {
-    offsetof(HooksObject, session),        offsetof(HooksObject, pack_slow),
+    offsetof(HooksObject, owner),          offsetof(HooksObject, pack_slow),
     offsetof(HooksObject, unpack_slow),    offsetof(HooksObject, hot),
     offsetof(HooksObject, kept_tier),      offsetof(HooksObject, dedupe),
     offsetof(HooksObject, values),         offsetof(HooksObject, state),
@@ -294,24 +297,26 @@ static const Py_ssize_t hooks_refs[] = {
     offsetof(HooksObject, choose),         offsetof(HooksObject, ctx),
     offsetof(HooksObject, tensor_type),    offsetof(HooksObject, parameter_type),
     offsetof(HooksObject, keep_type),      offsetof(HooksObject, copies),
-    offsetof(HooksObject, sequence_nr),
+    offsetof(HooksObject, sequence_nr),    offsetof(HooksObject, pack_chosen),
+    offsetof(HooksObject, prefetch),       offsetof(HooksObject, order),
 };
 #define N_REFS ((int)(sizeof(hooks_refs) / sizeof(hooks_refs[0])))
 #define HOOKS_REF(self, i) ((PyObject **)((char *)(self) + hooks_refs[i]))
 
 static int Hooks_init(HooksObject *self, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"session", "pack",        "unpack",         "hot",
-                            "kept_tier", "dedupe",    "values",         "state",
-                            "thread",  "policy",      "choose",         "ctx",
+    static char *names[] = {"owner",       "pack",           "unpack",    "hot",
+                            "kept_tier",   "dedupe",         "values",    "state",
+                            "thread",      "policy",         "choose",    "ctx",
                             "tensor_type", "parameter_type", "keep_type", "copies",
-                            "sequence_nr", "min_bytes", NULL};
+                            "sequence_nr", "pack_chosen",    "prefetch",  "order",
+                            "min_bytes",   NULL};
     PyObject *o[N_REFS];
     Py_ssize_t min_bytes;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OOOO!OOO!O!OOOOOOOO!On:Hooks", names, &o[0],
-                                     &o[1], &o[2], &HotType, &o[3], &o[4], &o[5], &PyDict_Type,
-                                     &o[6], &PyDict_Type, &o[7], &o[8], &o[9], &o[10], &o[11],
-                                     &o[12], &o[13], &o[14], &PyFrozenSet_Type, &o[15], &o[16],
-                                     &min_bytes))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OOOO!OOO!O!OOOOOOOO!OOOOn:Hooks", names,
+                                     &o[0], &o[1], &o[2], &HotType, &o[3], &o[4], &o[5],
+                                     &PyDict_Type, &o[6], &PyDict_Type, &o[7], &o[8], &o[9],
+                                     &o[10], &o[11], &o[12], &o[13], &o[14], &PyFrozenSet_Type,
+                                     &o[15], &o[16], &o[17], &o[18], &o[19], &min_bytes))
         return -1;
     for (int i = 0; i < N_REFS; i++) {
         Py_INCREF(o[i]);
@@ -320,7 +325,7 @@ static int Hooks_init(HooksObject *self, PyObject *args, PyObject *kwargs) {
     if (resolve_fields(self->tensor_type) < 0)
         return -1;
     self->min_bytes = min_bytes;
-    self->owner = PyThread_get_thread_ident();
+    self->pusher = PyThread_get_thread_ident();
     return 0;
 }
 
@@ -367,7 +372,7 @@ static int attr_true(PyObject *obj, PyObject *name) {
 
 #define SLOW 1 /* hand the tensor to the Python hook */
 
-/* Rule 1 of NOTE [ Session ] for a plain Tensor: what to hold of it (see stash._held).
+/* Rule 1 of NOTE [ Session ] for a plain Tensor: what to hold of it (rules.held).
  * Sets *held (a new reference) and *grad_fn (new, maybe None); 0 or SLOW. */
 static int held_of(HooksObject *self, PyObject *tensor, PyObject **held, PyObject **grad_fn) {
     *held = NULL;
@@ -395,7 +400,7 @@ static int held_of(HooksObject *self, PyObject *tensor, PyObject **held, PyObjec
     return 0;
 }
 
-/* Rule 1's eligibility past min_bytes (stash._ineligible): 0 eligible, SLOW otherwise. */
+/* Rule 1's eligibility past min_bytes (rules.ineligible): 0 eligible, SLOW otherwise. */
 static int eligible(HooksObject *self, PyObject *tensor, PyObject *grad_fn) {
     if (grad_fn == Py_None) {
         PyObject *grad = field(tensor, F_REQUIRES_GRAD);
@@ -430,7 +435,7 @@ static int eligible(HooksObject *self, PyObject *tensor, PyObject *grad_fn) {
  * _modules.state_kind's miss, without its re-read: modules entered since the last
  * re-read send the tensor to the Python hook, which re-reads them. */
 static int maybe_state(HooksObject *self, PyObject *address) {
-    if (PyThread_get_thread_ident() != self->owner)
+    if (PyThread_get_thread_ident() != self->pusher)
         return SLOW; /* a pack on a backward thread: the Python hook reads that thread's modules */
     PyObject *found = PyDict_GetItemWithError(self->state, address);
     if (found != NULL || PyErr_Occurred())
@@ -446,7 +451,7 @@ static int maybe_state(HooksObject *self, PyObject *address) {
     return reread >= depth ? 0 : SLOW;
 }
 
-/* Rule 3's add (stash._Dedupe.add) for a new address: -1 on an error. */
+/* Rule 3's add (values.Dedupe.add) for a new address: -1 on an error. */
 static int dedupe_add(HooksObject *self, PyObject *value, PyObject *address) {
     PyObject *ref = PyWeakref_NewRef(value, NULL);
     if (ref == NULL)
@@ -546,16 +551,16 @@ static PyObject *pack_fast(HooksObject *self, PyObject *tensor) {
             why = PyTuple_GET_ITEM(choice, 1);
         }
         if ((PyObject *)Py_TYPE(policy) != self->keep_type) {
-            /* Session._pack(tensor, address, policy, why, record=None, wrapper=None) */
-            PyObject *call[7] = {self->session, tensor, address, policy, why, Py_None, Py_None};
-            result = PyObject_VectorcallMethod(s_pack_chosen, call, 7, NULL);
+            /* pack_chosen(tensor, address, policy, why, record=None, wrapper=None) */
+            PyObject *call[6] = {tensor, address, policy, why, Py_None, Py_None};
+            result = PyObject_Vectorcall(self->pack_chosen, call, 6, NULL);
             Py_XDECREF(choice);
             hot->keep_left = 0; /* the tiers moved: the limit is stale */
             goto done;
         }
         Py_XDECREF(choice);
     }
-    PyObject *prev = PyObject_GetAttr(self->session, s_last);
+    PyObject *prev = PyObject_GetAttr(self->order, s_last);
     if (prev == NULL) {
         result = NULL;
         goto done;
@@ -618,7 +623,7 @@ static PyObject *Hooks_unpack(HooksObject *self, PyObject *saved) {
         self->hot->unpacks += 1;
         PyObject *prev = ((KeptObject *)saved)->prev;
         if (prev != Py_None) { /* rule 6 */
-            PyObject *done = PyObject_CallMethodOneArg(self->session, s_prefetch_from, prev);
+            PyObject *done = PyObject_CallOneArg(self->prefetch, prev);
             if (done == NULL)
                 return NULL;
             Py_DECREF(done);
@@ -635,7 +640,7 @@ static PyMethodDef Hooks_methods[] = {
 };
 
 static PyMemberDef Hooks_members[] = {
-    {"session", T_OBJECT, offsetof(HooksObject, session), READONLY, NULL},
+    {"owner", T_OBJECT, offsetof(HooksObject, owner), READONLY, NULL},
     {NULL},
 };
 
@@ -674,9 +679,8 @@ PyMODINIT_FUNC PyInit__fast(void) {
         {&s_base, "_base"},            {&s_is_leaf, "is_leaf"},
         {&s_data_ptr, "data_ptr"},     {&s_reread, "reread"},
         {&s_stack, "stack"},           {&s_live_bytes, "live_bytes"},
-        {&s_last, "_last"},            {&s_sweep_at, "_sweep_at"},
-        {&s_sweep, "sweep"},           {&s_pack_chosen, "_pack"},
-        {&s_prefetch_from, "_prefetch_from"}, {&s_is_cpu, "is_cpu"},
+        {&s_last, "last"},             {&s_sweep_at, "sweep_at"},
+        {&s_sweep, "sweep"},           {&s_is_cpu, "is_cpu"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         *names[i].slot = PyUnicode_InternFromString(names[i].text);

@@ -1,5 +1,6 @@
 """Types of the C extension (NOTE [ Fast path ] in _fastpath.py)."""
 
+from collections.abc import Callable
 from typing import Any
 
 class HotCounts:
@@ -40,7 +41,7 @@ class Hooks:
     def __init__(
         self,
         *,
-        session: Any,
+        owner: Any,
         pack: Any,
         unpack: Any,
         hot: HotCounts,
@@ -57,9 +58,12 @@ class Hooks:
         keep_type: type,
         copies: frozenset[type],
         sequence_nr: Any,
+        pack_chosen: Callable[[Any, int, Any, Any, Any, Any], Any],
+        prefetch: Callable[[Any], None],
+        order: Any,
         min_bytes: int,
     ) -> None: ...
     @property
-    def session(self) -> Any: ...
+    def owner(self) -> Any: ...
     def pack(self, tensor: Any, /) -> Any: ...
     def unpack(self, saved: Any, /) -> Any: ...

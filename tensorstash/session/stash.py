@@ -20,15 +20,15 @@ this order:
    changed in place, so the session records ``tensor._version`` at pack and
    compares at unpack, raising as plain autograd would.
 3. Dedupe. The same storage, geometry and version saved again while its first
-   pack is alive returns that pack (:class:`_Dedupe`: by the storage object's
+   pack is alive returns that pack (:class:`Dedupe`: by the storage object's
    identity, never by a bare pointer).
 4. Choice. A selector (Select, Auto) chooses the policy per tensor, with the
    call site when the session has a profile; a plain policy is used as it is.
-   What is kept costs a small record and a count (:class:`_Kept`); what a
-   policy packs is held with its policy (:class:`_Saved`).
+   What is kept costs a small record and a count (:class:`Kept`); what a
+   policy packs is held with its policy (:class:`Saved`).
 5. Recent window. A tensor whose choice is :class:`~tensorstash.core.policy.Defer`
    waits, kept, in the window until newer tensors push it out (NOTE
-   [ Recent window ], :class:`_RecentWindow`).
+   [ Recent window ], :class:`RecentWindow`).
 6. Order. Each value remembers (weakly) the packed value before it; backward
    unpacks roughly in reverse, so unpacking one starts the prefetch of the
    previous few.
@@ -47,7 +47,7 @@ this order:
    rebuilt with), counting its local tensor's bytes. Then pack runs rules 1 to
    7 on the local tensor, as an alias that carries the DTensor's version
    counter (so rules 2 and 3 see the version autograd checks), and
-   :class:`_Distributed` holds what that returned with the DTensor's spec;
+   :class:`Distributed` holds what that returned with the DTensor's spec;
    unpack rebuilds the DTensor around the unpacked local tensor, without an
    autograd op. Stats and the decision log count local bytes and shapes; a
    row names the DTensor's op. See NOTE [ DTensor ] in _dtensor.py.
@@ -87,7 +87,7 @@ that cannot know which tensors come last (Auto in a first step, before its
 Profile has seen a backward) returns :class:`~tensorstash.core.policy.Defer`: the
 session keeps the tensor and puts it in a window; when the window holds more
 than ``Defer.window`` bytes saved after its oldest entry, that entry is packed
-with its deferred policy (its ``_Saved`` switches to the new packed value, the
+with its deferred policy (its ``Saved`` switches to the new packed value, the
 stats and the decision log move with it). So whatever was deferred last stays
 kept when forward ends, and at most ``window`` bytes plus one tensor wait there.
 A tensor changed in place while it waits is not packed (unpack raises, as
@@ -96,7 +96,6 @@ autograd would).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import threading
 import time
@@ -113,10 +112,28 @@ from tensorstash.core._names import NAMES
 from tensorstash.core._names import resolve as _resolve
 from tensorstash.core._reasons import Reason, Why, reason
 from tensorstash.core.policy import Context, Defer, Held, Keep, Packed, Policy, bug, nbytes_of
-from tensorstash.core.stats import Decision, HotCounts, StashStats
+from tensorstash.core.stats import Decision, StashStats
 from tensorstash.session import _dtensor, _modules
 from tensorstash.session._verify import check, checksum
 from tensorstash.session.quiet import HOOKED, Event, Machine, Pair, State
+from tensorstash.session.rules import (
+    PARAMETER_COPIES,
+    distributed_reason,
+    held,
+    ineligible,
+    subclass_reason,
+    unsized_reason,
+    unusual,
+)
+from tensorstash.session.values import (
+    Dedupe,
+    Distributed,
+    Kept,
+    Order,
+    RecentWindow,
+    Saved,
+    modified,
+)
 from tensorstash.tiers.disk import SpillError
 from tensorstash.tiers.recompute import saving_plan_inputs
 
@@ -168,368 +185,6 @@ def resolve(policy: Policy | str) -> Policy:
     return _resolve(policy, NAMES)
 
 
-# -- what autograd holds ----------------------------------------------------------------
-
-
-def _held(tensor: Tensor) -> Tensor:
-    """What to hold of a saved tensor without copying it (rule 1).
-
-    Autograd holds a saved input as it is, but a saved output detached: the
-    output's ``grad_fn`` is the node saving it, and holding the output whole
-    from that node would make a cycle that only backward breaks. The node saving
-    a tensor is the last one made on this thread, so an output is recognised by
-    its node's sequence number (the next number to hand out, less one).
-    """
-    grad_fn = tensor.grad_fn
-    if grad_fn is not None and grad_fn._sequence_nr() == _sequence_nr() - 1:
-        return tensor.detach()
-    return tensor
-
-
-class _PyKept:
-    """A tensor a policy kept where it is, as autograd holds it (rules 4 and 7).
-
-    Freed on any thread (backward runs on a device's thread), it posts its
-    bytes to the session's :class:`~tensorstash.core.stats.HotCounts`. The C
-    extension's ``Kept`` is the same (NOTE [ Fast path ] in _fastpath.py).
-    """
-
-    __slots__ = ("__weakref__", "hot", "nbytes", "prev", "tensor", "version")
-
-    def __init__(
-        self,
-        tensor: Tensor,
-        version: int,
-        nbytes: int,
-        hot: HotCounts,
-        prev: weakref.ref[_Saved] | None,
-    ) -> None:
-        self.tensor = tensor
-        self.version = version
-        self.nbytes = nbytes
-        self.hot = hot
-        self.prev = prev
-
-    def geometry(self) -> tuple[Any, ...]:
-        tensor = self.tensor
-        return (tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, self.version)
-
-    def changed(self) -> bool:
-        """Whether the tensor changed in place since it was saved."""
-        return self.tensor._version != self.version
-
-    def __del__(self) -> None:
-        self.hot.release(self.nbytes)
-
-
-_Kept: Any = _PyKept if compiled is None else compiled.Kept
-
-
-class _Saved:
-    """A tensor a policy packed (or a deferred one, kept until it leaves the window)."""
-
-    __slots__ = (
-        "__weakref__",
-        "checksum",
-        "counter",
-        "geometry_",
-        "origin",
-        "packed",
-        "policy",
-        "prefetched",
-        "prev",
-        "record",
-        "session",
-        "storage",
-        "version",
-    )
-
-    def __init__(self, policy: Policy, packed: Any, source: Tensor, session: Session) -> None:
-        self.policy = policy
-        self.packed = packed
-        self.session = session
-        self.version = source._version
-        held = packed.tensor if isinstance(packed, Held) else None
-        self.counter = held if held is not None else _version_counter(source)
-        self.prev = session._last
-        self.prefetched = False
-        self.record: Any = None  # the profile's record of its call site
-        self.origin = (_modules.current(), source.shape, source.dtype)  # for error messages
-        self.checksum: int | Tensor | None = None
-        self.geometry_ = (source.storage_offset(), source.shape, source.stride(), source.dtype)
-        self.storage = weakref.ref(source.untyped_storage())  # see _Dedupe
-
-    def geometry(self) -> tuple[Any, ...]:
-        return (*self.geometry_, self.version)
-
-    def where(self) -> str:
-        """The module that saved the tensor, for an error message."""
-        return f"module '{self.origin[0]}'" if self.origin[0] else "no module (top level)"
-
-    def describe(self) -> str:
-        """The saved tensor for an error message: its shape, dtype and module."""
-        _, shape, dtype = self.origin
-        return f"the tensor of shape {list(shape)} ({dtype}) saved by {self.where()}"
-
-    def changed(self) -> bool:
-        """Whether the saved tensor changed in place since it was saved."""
-        return self.counter._version != self.version
-
-    def check_version(self) -> None:
-        """Raise as autograd would if the saved tensor changed in place (rule 2)."""
-        now = self.counter._version
-        if now != self.version:
-            raise _modified(self.counter, now, self.version)
-
-    def __del__(self) -> None:
-        """Autograd freed the graph that held this (rule 7): release what it holds."""
-        self.session._release_saved(self)
-
-    def switch(self, policy: Policy, packed: Any) -> None:
-        """Hold ``packed`` (from ``policy``) instead of the kept tensor (NOTE [ Recent window ])."""
-        if self.counter is self.packed.tensor:
-            self.counter = _version_counter(self.counter)
-        self.policy, self.packed = policy, packed
-
-
-_set_version_counter = torch._C._autograd._unsafe_set_version_counter
-
-
-def _version_counter(tensor: Tensor) -> Tensor:
-    """A tensor that shares ``tensor``'s version counter but none of its memory.
-
-    An alias shares the version counter of every view of its storage; emptying
-    the alias (with the counter's value preserved) drops its hold on the storage,
-    as autograd's own saved variables keep the counter apart from the data.
-    """
-    alias = tensor.detach()
-    version = alias._version
-    try:
-        alias.set_()  # type: ignore[call-overload]
-    finally:  # torch.autograd._unsafe_preserve_version_counter, without its object
-        _set_version_counter((alias,), (version,))
-    return alias
-
-
-class _Distributed:
-    """A DTensor packed as its local tensor (rule 9).
-
-    ``local`` is what pack returned for the local tensor (a tuple, a
-    :class:`_Kept` or a :class:`_Saved`), ``spec`` what rebuilds the DTensor
-    around it (None: the local tensor is what unpack returns).
-    """
-
-    __slots__ = ("local", "spec")
-
-    def __init__(self, local: Any, spec: Any) -> None:
-        self.local = local
-        self.spec = spec
-
-
-def _modified(tensor: Tensor, now: int, expected: int) -> RuntimeError:
-    return RuntimeError(
-        "one of the variables needed for gradient computation has been modified by an "
-        f"inplace operation: [{tensor.dtype}] is at version {now}; "
-        f"expected version {expected} instead. (Checked by tensorstash, since autograd does "
-        "not check saved tensors while saved-tensor hooks are active.) Hint: do not modify "
-        "a tensor in place after an operation saved it for backward; use an out-of-place "
-        "operation or .clone() it first."
-    )
-
-
-# -- eligibility (rule 1) -------------------------------------------------------------------
-
-_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-_STRIDED = torch.strided
-LEAF = _reasons.LEAF.text()
-"""The reason logged for a saved leaf that is not a parameter (a model input, usually)."""
-
-
-def _node_types(*makers: Any) -> frozenset[type]:
-    """The autograd node classes of the ops ``makers`` run on a leaf."""
-    leaf = torch.zeros(2, 2, requires_grad=True)
-    return frozenset(type(make(leaf).grad_fn) for make in makers)
-
-
-_PARAMETER_COPIES = _node_types(
-    lambda w: w.t(), lambda w: w.transpose(0, 1), lambda w: w.to(torch.float64)
-)
-"""Nodes of a parameter's copies that share nothing with it (autocast's casts, ``weight.t()``)."""
-_ACCUMULATE_GRAD = type(torch.zeros(1, requires_grad=True).expand(2).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
-
-
-def _ineligible(tensor: Tensor, grad_fn: Any) -> Reason | None:
-    """Why a plain tensor of at least ``min_bytes`` is kept untouched, from what is cheap to ask.
-
-    A leaf that requires grad, a parameter, a view of one or a cast of one
-    (autocast's bf16 weight copies, ``weight.t()``). ``grad_fn`` is the
-    tensor's. The caller checks module state by address, and :func:`_unusual`
-    before a policy moves the tensor.
-    """
-    if grad_fn is None:
-        if tensor.requires_grad:
-            return _reasons.LEAF
-    elif type(grad_fn) in _PARAMETER_COPIES:
-        nexts = grad_fn.next_functions
-        if len(nexts) == 1 and type(nexts[0][0]) is _ACCUMULATE_GRAD:
-            return _reasons.PARAMETER
-    base = tensor._base
-    if base is not None and (type(base) is _Parameter or (base.requires_grad and base.is_leaf)):
-        return _reasons.PARAMETER
-    return None
-
-
-def _unusual(tensor: Tensor) -> Reason | None:
-    """Why no policy can move a plain tensor (rule 1): checked before one tries.
-
-    Keeping such a tensor is what the session would do anyway, so the kept
-    path does not ask.
-    """
-    if tensor.layout is not _STRIDED:
-        return reason(Why.LAYOUT, str(tensor.layout).removeprefix("torch."))
-    if tensor.is_nested:
-        return Reason(Why.NESTED)
-    if _WRAPPED is not None and _WRAPPED(tensor):
-        return Reason(Why.FUNCTORCH)
-    if not (tensor.is_cpu or tensor.is_cuda):
-        return reason(Why.DEVICE, tensor.device.type)
-    if tensor.is_quantized:
-        return Reason(Why.QUANTIZED)
-    if tensor.is_conj() or tensor.is_neg():
-        return Reason(Why.CONJUGATE)
-    return None
-
-
-def _unsized_reason(tensor: Tensor) -> Reason:
-    """Why a plain tensor without ``nbytes`` (sparse, nested) is kept untouched."""
-    if tensor.is_nested:
-        return Reason(Why.NESTED)
-    return reason(Why.LAYOUT, str(tensor.layout).removeprefix("torch."))
-
-
-def _subclass_reason(tensor: Tensor) -> Reason:
-    """Why a tensor that is not a plain Tensor is kept untouched."""
-    return _reasons.PARAMETER if type(tensor) is _Parameter else _reasons.SUBCLASS
-
-
-def _distributed_reason(tensor: Tensor, part: _dtensor.Part) -> Reason | None:
-    """Why a DTensor of at least ``min_bytes`` is kept whole (rule 9), or None.
-
-    A parameter, a view or cast of one, a leaf that requires grad (asked of the
-    DTensor: its local tensor has no autograd history), or a placement or
-    local tensor it cannot be rebuilt with.
-    """
-    if isinstance(tensor, _Parameter):  # a DTensor parameter is a Parameter by a flag
-        return _reasons.PARAMETER
-    return _ineligible(tensor, tensor.grad_fn) or part.kept
-
-
-# -- rule 3 and rule 5 ------------------------------------------------------------------------
-
-
-class _Dedupe:
-    """Rule 3: a storage saved again with the same geometry and version returns its first pack.
-
-    Values are found by the address of the tensor's data, then compared by
-    geometry and version. A kept value holds its tensor, so no other storage
-    can take its address while it lives; a packed value's storage may die
-    first and its address be reused, so it is trusted only while its storage is
-    the tensor's (a weak reference, never a bare pointer alone). Values are held
-    weakly and dead entries are swept as the table grows, so freeing a value
-    costs nothing here. A value whose tensor changed in place since is not
-    returned: tensors of one storage may count versions apart (a DTensor's
-    local alias and a plain view of the same data, rule 9), so an equal version
-    number alone does not prove equal data.
-    """
-
-    def __init__(self) -> None:
-        self._values: dict[int, weakref.ref[Any] | list[weakref.ref[Any]]] = {}
-        self._sweep_at = 1024
-
-    def find(self, tensor: Tensor, address: int) -> _Kept | _Saved | None:
-        entry = self._values.get(address)
-        if entry is None:
-            return None
-        geometry = (
-            tensor.storage_offset(),
-            tensor.shape,
-            tensor.stride(),
-            tensor.dtype,
-            tensor._version,
-        )
-        for ref in _refs(entry):
-            value = ref()
-            if value is None or value.geometry() != geometry:
-                continue
-            if isinstance(value, _Saved) and value.storage() is not tensor.untyped_storage():
-                continue
-            if value.changed():  # through a tensor with another version counter (rule 9)
-                continue
-            return value
-        return None
-
-    def sweep(self) -> None:
-        """Drop the dead entries; the next sweep comes when the table has doubled."""
-        values = self._values
-        for dead in [key for key, entry in values.items() if not _live(entry)]:
-            del values[dead]
-        self._sweep_at = max(1024, 2 * len(values))
-
-    def add(self, value: _Kept | _Saved, address: int) -> None:
-        values = self._values
-        entry = values.get(address)
-        if entry is None:
-            values[address] = weakref.ref(value)
-            if len(values) >= self._sweep_at:
-                self.sweep()
-            return
-        refs = [ref for ref in _refs(entry) if _live(ref)]
-        refs.append(weakref.ref(value))
-        values[address] = refs if len(refs) > 1 else refs[0]
-
-
-def _refs(entry: weakref.ref[Any] | list[weakref.ref[Any]]) -> list[weakref.ref[Any]]:
-    return entry if isinstance(entry, list) else [entry]
-
-
-def _live(entry: weakref.ref[Any] | list[weakref.ref[Any]]) -> bool:
-    """Whether a dedupe entry still holds a value whose storage lives."""
-    for ref in _refs(entry):
-        value = ref()
-        if value is not None and (not isinstance(value, _Saved) or value.storage() is not None):
-            return True
-    return False
-
-
-class _RecentWindow:
-    """Deferred tensors, kept until newer ones push them out (NOTE [ Recent window ])."""
-
-    def __init__(self) -> None:
-        self._entries: collections.deque[tuple[weakref.ref[_Saved], Defer, int]] = (
-            collections.deque()
-        )
-        self.bytes = 0
-
-    def leaving(self, nbytes: int, size: int) -> Iterator[tuple[_Saved, Defer]]:
-        """The entries that leave as ``nbytes`` more enter a window of ``size`` bytes.
-
-        An entry leaves once the bytes saved after it, the incoming ones
-        included, reach ``size``. It leaves before the incoming tensor is
-        counted, so kept bytes never hold both.
-        """
-        entries = self._entries
-        while entries and self.bytes - entries[0][2] + nbytes >= size:
-            ref, deferred, entry_bytes = entries.popleft()
-            self.bytes -= entry_bytes
-            waiting = ref()
-            if waiting is not None:
-                yield waiting, deferred
-
-    def enter(self, saved: _Saved, deferred: Defer, nbytes: int) -> None:
-        self._entries.append((weakref.ref(saved), deferred, nbytes))
-        self.bytes += nbytes
-
-
 # -- the session ----------------------------------------------------------------------------
 
 
@@ -561,9 +216,9 @@ class Session(contextlib.ContextDecorator):
         self._ctx = Context(self._stats, workers=workers)
         self._ctx.profile = profile
         self._choose = getattr(policy, "choose", None)
-        self._last: weakref.ref[_Saved] | None = None
-        self._window = _RecentWindow()
-        self._dedupe = _Dedupe()
+        self.order = Order()  # the value packed last (rule 6)
+        self._window = RecentWindow()
+        self._dedupe = Dedupe()
         self._hot = self._stats.hot  # counted without a lock: see HotCounts
         self._kept_tier = self._stats.tiers["kept"]
         self._owner = 0  # the thread whose hooks this session pushed last
@@ -708,13 +363,13 @@ class Session(contextlib.ContextDecorator):
         if compiled is None or self.record or self.verify or self._step is not None:
             return self.pack, self._unpack_hook
         hooks = compiled.Hooks(
-            session=self,
+            owner=self,
             pack=self.pack,
             unpack=self.unpack,
             hot=self._hot,
             kept_tier=self._kept_tier,
             dedupe=self._dedupe,
-            values=self._dedupe._values,
+            values=self._dedupe.values,
             state=_modules._state,
             thread=_modules._thread(),
             policy=self.policy,
@@ -723,8 +378,11 @@ class Session(contextlib.ContextDecorator):
             tensor_type=_Tensor,
             parameter_type=_Parameter,
             keep_type=Keep,
-            copies=_PARAMETER_COPIES,
+            copies=PARAMETER_COPIES,
             sequence_nr=_sequence_nr,
+            pack_chosen=self._pack,
+            prefetch=self._prefetch_from,
+            order=self.order,
             min_bytes=self.min_bytes,
         )
         return hooks.pack, hooks.unpack
@@ -734,8 +392,8 @@ class Session(contextlib.ContextDecorator):
         compiler pair it pushed."""
         if self._pair is not None and hook is self._pair.pack:
             return True
-        owner = getattr(hook, "__self__", None)
-        return hook == self.pack or getattr(owner, "session", None) is self
+        hooks = getattr(hook, "__self__", None)
+        return hook == self.pack or getattr(hooks, "owner", None) is self
 
     def __exit__(self, *exc: object) -> None:
         if not self._pushed:
@@ -815,27 +473,25 @@ class Session(contextlib.ContextDecorator):
         try:
             nbytes = tensor.nbytes
         except RuntimeError:  # sparse tensors have no plain size
-            return self._untouched(tensor, _unsized_reason(tensor), nbytes_of(tensor))
+            return self._untouched(tensor, unsized_reason(tensor), nbytes_of(tensor))
         if type(tensor) is not _Tensor:  # parameters, DTensors (rule 9), other subclasses
             return self._pack_subclass(tensor, nbytes)
         grad_fn = tensor.grad_fn
-        held = tensor
-        if grad_fn is not None and grad_fn._sequence_nr() == _sequence_nr() - 1:
-            held = tensor.detach()  # an output of the op saving it: see _held
+        hold = held(tensor, grad_fn)
         if nbytes < self.min_bytes:
             hot = self._hot
             hot.small_tensors += 1
             hot.small_bytes += nbytes
             if self.record:
                 self._log(tensor, "kept", nbytes, _reasons.UNDER_MIN_BYTES, wrapper)
-            return (held, tensor._version)
-        why = _ineligible(tensor, grad_fn)
+            return (hold, tensor._version)
+        why = ineligible(tensor, grad_fn)
         if why is not None:
             return self._untouched(tensor, why, nbytes, wrapper)
         try:
             address = tensor.data_ptr()
         except (RuntimeError, NotImplementedError):  # no storage: mkldnn, functorch wrappers
-            why = _unusual(tensor) or _reasons.SUBCLASS
+            why = unusual(tensor) or _reasons.SUBCLASS
             return self._untouched(tensor, why, nbytes, wrapper)
         kind = _modules.state_kind(tensor, address) if address else None
         if kind is not None:
@@ -860,7 +516,7 @@ class Session(contextlib.ContextDecorator):
             policy, why = self._choose(tensor, self._ctx, site)
         if type(policy) is not Keep or self.verify:
             return self._pack(tensor, address, policy, why, record, wrapper)
-        kept = _Kept(held, tensor._version, nbytes, hot, self._last)
+        kept = Kept(hold, tensor._version, nbytes, hot, self.order.last)
         hot.tensors += 1
         hot.bytes += nbytes
         live = hot.live = hot.live + nbytes
@@ -877,18 +533,18 @@ class Session(contextlib.ContextDecorator):
         if kind is tuple:
             tensor, version = saved
             if tensor._version != version:
-                raise _modified(tensor, tensor._version, version)
+                raise modified(tensor, tensor._version, version)
             return tensor
-        if kind is _Kept:
+        if kind is Kept:
             tensor = saved.tensor
             if tensor._version != saved.version:
-                raise _modified(tensor, tensor._version, saved.version)
+                raise modified(tensor, tensor._version, saved.version)
             self._hot.unpacks += 1
             if saved.prev is not None:
                 self._prefetch_from(saved.prev)
             return tensor
-        if kind is not _Saved:
-            if kind is _Distributed:  # rule 9
+        if kind is not Saved:
+            if kind is Distributed:  # rule 9
                 return _dtensor.rebuild(self.unpack(saved.local), saved.spec)
             raise bug(f"unpack received {type(saved).__name__}")
         return self._unpack(saved)
@@ -934,12 +590,12 @@ class Session(contextlib.ContextDecorator):
     # Internals -------------------------------------------------------------------------
 
     def _deduplicated(
-        self, tensor: Tensor, found: _Kept | _Saved, wrapper: Tensor | None
-    ) -> _Kept | _Saved:
+        self, tensor: Tensor, found: Kept | Saved, wrapper: Tensor | None
+    ) -> Kept | Saved:
         """Rule 3: a value already packed for this storage, geometry and version."""
         self._stats.count_dedupe()
         if self.record:
-            packed = found.packed if isinstance(found, _Saved) else None
+            packed = found.packed if isinstance(found, Saved) else None
             tier = packed.tier if isinstance(packed, Packed) else "kept"
             self._log(tensor, tier, 0, _reasons.DEDUPLICATED, wrapper)
         return found
@@ -951,24 +607,24 @@ class Session(contextlib.ContextDecorator):
         self._stats.skip(why, nbytes)
         if self.record:
             self._log(tensor, "kept", nbytes, why, wrapper)
-        return (_held(tensor), tensor._version)
+        return (held(tensor, tensor.grad_fn), tensor._version)
 
     def _pack_subclass(self, tensor: Tensor, nbytes: int) -> Any:
         """Rule 1 for a tensor that is not a plain Tensor; rule 9 for a DTensor."""
         part = _dtensor.local_part(tensor)
         if part is None:
-            why = _reasons.UNDER_MIN_BYTES if nbytes < self.min_bytes else _subclass_reason(tensor)
+            why = _reasons.UNDER_MIN_BYTES if nbytes < self.min_bytes else subclass_reason(tensor)
             return self._untouched(tensor, why, nbytes)
         local = part.local
         nbytes = nbytes_of(local)
         small = nbytes < self.min_bytes
-        kept = _reasons.UNDER_MIN_BYTES if small else _distributed_reason(tensor, part)
+        kept = _reasons.UNDER_MIN_BYTES if small else distributed_reason(tensor, part)
         if kept is not None:  # kept whole, counted and logged as its local tensor
             self._stats.skip(kept, nbytes)
             if self.record:
                 self._log(local, "kept", nbytes, kept, tensor)
-            return (_held(tensor), tensor._version)
-        return _Distributed(self.pack(_dtensor.alias(tensor, local), tensor), part.spec)
+            return (held(tensor, tensor.grad_fn), tensor._version)
+        return Distributed(self.pack(_dtensor.alias(tensor, local), tensor), part.spec)
 
     def _pack(
         self,
@@ -978,11 +634,11 @@ class Session(contextlib.ContextDecorator):
         why: Reason | None,
         record: Any,
         wrapper: Tensor | None,
-    ) -> _Saved | tuple[Tensor, int]:
+    ) -> Saved | tuple[Tensor, int]:
         """Rules 4 to 6 for a tensor a policy packs (or a selector defers)."""
-        unusual = _unusual(tensor)
-        if unusual is not None:
-            return self._untouched(tensor, unusual, tensor.nbytes, wrapper)
+        odd = unusual(tensor)
+        if odd is not None:
+            return self._untouched(tensor, odd, tensor.nbytes, wrapper)
         start = _perf_counter()
         deferred = policy if isinstance(policy, Defer) else None
         if deferred is not None:
@@ -990,7 +646,7 @@ class Session(contextlib.ContextDecorator):
             for waiting, leaving in self._window.leaving(tensor.nbytes, deferred.window):
                 self._pack_deferred(waiting, leaving)
         packed = policy.pack(tensor, self._ctx)
-        saved = _Saved(policy, packed, tensor, self)
+        saved = Saved(policy, packed, tensor, self)
         if self.record and isinstance(packed, Packed):
             why = why or _policy_reason(policy)
             row = self._log(tensor, packed.tier, packed.stored_bytes, why, wrapper)
@@ -1005,14 +661,14 @@ class Session(contextlib.ContextDecorator):
             self._ctx.account(packed)
         if address:
             self._dedupe.add(saved, address)
-        self._last = weakref.ref(saved)
+        self.order.last = weakref.ref(saved)
         if deferred is not None:
             self._window.enter(saved, deferred, tensor.nbytes)
         self._stats.timed("pack", _perf_counter() - start)
         self._ctx.flush_warnings()
         return saved
 
-    def _unpack(self, saved: _Saved) -> Tensor:
+    def _unpack(self, saved: Saved) -> Tensor:
         start = _perf_counter()
         saved.check_version()
         if saved.prev is not None:
@@ -1057,25 +713,25 @@ class Session(contextlib.ContextDecorator):
         self._stats.log(row)
         return row
 
-    def _pack_deferred(self, saved: _Saved, deferred: Defer) -> None:
-        held = saved.packed
-        if not isinstance(held, Held) or held.tensor is None:
+    def _pack_deferred(self, saved: Saved, deferred: Defer) -> None:
+        holding = saved.packed
+        if not isinstance(holding, Held) or holding.tensor is None:
             return
-        tensor = held.tensor
+        tensor = holding.tensor
         if tensor._version != saved.version:
             return  # changed in place: unpack raises, as autograd would
         packed = deferred.policy.pack(tensor, self._ctx)
         if isinstance(packed, Packed):
-            self._ctx.replace(held, packed)
+            self._ctx.replace(holding, packed)
         else:
-            self._ctx.release(held)
+            self._ctx.release(holding)
         saved.switch(deferred.policy, packed)
         if saved.record is not None:
             saved.record.offloaded = getattr(packed, "tier", "kept") != "kept"
 
-    def _prefetch_from(self, ref: weakref.ref[_Saved]) -> None:
+    def _prefetch_from(self, ref: weakref.ref[Saved]) -> None:
         """Rule 6: start bringing back the packed values before an unpacked one."""
-        found: weakref.ref[_Saved] | None = ref
+        found: weakref.ref[Saved] | None = ref
         for _ in range(PREFETCH_DEPTH):
             earlier = found() if found is not None else None
             if earlier is None:
@@ -1086,7 +742,7 @@ class Session(contextlib.ContextDecorator):
                 prefetch(earlier.packed, self._ctx)
             found = earlier.prev
 
-    def _release_saved(self, saved: _Saved) -> None:
+    def _release_saved(self, saved: Saved) -> None:
         """Rule 7 for a packed value: release its resources."""
         packed = saved.packed
         if isinstance(packed, Packed):
