@@ -8,7 +8,7 @@ The modules, each importing only those above it:
 - :mod:`~tensorstash.bench.compiled`: NOTE [ Compiled runs ], ``--compile`` and the
   compiler's own budgets (``compile:<b>``);
 - :mod:`~tensorstash.bench.variants`: the policies and peers the bench compares;
-- :mod:`~tensorstash._memory` (shared with the Profile): NOTE [ Real memory ], a step's
+- :mod:`~tensorstash.memory._memory` (shared with the Profile): NOTE [ Real memory ], a step's
   real peak;
 - :mod:`~tensorstash.bench.timeline`: memory over one step, for ``--plot``;
 - :mod:`~tensorstash.bench.measure`: one step's time, memory, gradients and plan;

@@ -154,8 +154,8 @@ class StepRunner:
         """
         # The last step's session goes first: alive, it would hold its lease on the session
         # pool, and this step would begin with the pool's waiting blocks resident and not
-        # count them (Auto on the HF GPT-2 config, half its activation bytes: 9 MiB of
-        # growth after a step whose session was kept, 42 MiB after one that was let go).
+        # count them: its growth would read as a fraction of what it is
+        # (docs/figures/planning.md).
         self.session = None
         self._reset()
         return_free_memory(self.device)  # rule 3 of NOTE [ Real memory ]

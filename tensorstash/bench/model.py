@@ -41,11 +41,11 @@ class ModelConfig:
 
 
 CONFIGS: dict[str, ModelConfig] = {
-    # A step in a few tens of milliseconds: for tests.
+    # The smallest: for tests.
     "tiny": ModelConfig(vocab=512, seq_len=64, d_model=128, n_head=4, n_layer=2, batch=4),
-    # The default: about 0.1-0.3 s per forward and backward on 2 CPU cores.
+    # The default: a step of a fraction of a second on a small CPU.
     "small": ModelConfig(vocab=2048, seq_len=128, d_model=256, n_head=4, n_layer=4, batch=4),
-    # A few seconds per step on 2 CPU cores.
+    # A CPU run that takes its time: several times the default's step.
     "medium": ModelConfig(vocab=8192, seq_len=256, d_model=512, n_head=8, n_layer=8, batch=8),
     # For a GPU: about 10 GiB of activations in float32, a fraction of that in weights.
     "large": ModelConfig(vocab=32768, seq_len=1024, d_model=2048, n_head=16, n_layer=8, batch=8),

@@ -133,9 +133,8 @@ def _front_panel(axes: Any, rows: Sequence[Row], *, cuda: bool) -> None:
     A row's step time is no stash's median step times the row's overhead (its
     median same-round ratio to no stash's step), where the dtype has a row of
     no stash: the ratio the tables and the Pareto front use. On a noisy
-    machine the medians of the steps themselves can place two variants the
-    other way round (the HF GPT-2 config, 2 cores: Auto's plans at 1.04-1.34x
-    no stash's step had median steps 1.5-1.7x its own).
+    machine the medians of the steps themselves, taken in different rounds,
+    can place two variants the other way round (docs/figures/planning.md).
     """
     measured = [row for row in rows if row.skipped is None and row.real_peak_bytes is not None]
     highest = max((_mib(row.real_peak_bytes) for row in measured), default=1.0) or 1.0

@@ -10,10 +10,10 @@ model, and the numbers are only comparable if nothing but the variant differs:
    round (seeded by the round), so none always runs after the same one: a step
    inherits what the step before it left (the kernel's free pages, a file's
    page cache being freed, a trim thread ending). With a plain rotation
-   (A B C, B C A, C A B) every variant followed the same one in every round,
-   and on ``medium`` (CPU) no stash, which always followed ``auto:75%``, took
-   1.12-1.15x the step of ``auto`` keeping everything with no hooks, which is
-   plain autograd; run alone, no stash was 0.97x of it.
+   (A B C, B C A, C A B) every variant follows the same one in every round
+   and carries what that one leaves: no stash, always run after one Auto
+   budget, measured slower than ``auto`` keeping everything with no hooks,
+   which is plain autograd (docs/figures/planning.md).
 2. Every step starts from the same weights (a ``state_dict`` copy is
    restored), the same batch and the same RNG seed (dropout masks), so
    a lossless variant must produce gradients bitwise equal to plain autograd.
@@ -22,9 +22,10 @@ model, and the numbers are only comparable if nothing but the variant differs:
    (rule 6). While a planner still learns its plan after them (a step under
    it has yet to take its real peak, or a plan that moves nothing has yet to
    run quiet: ``PlanReading.settled``), up to ``LEARNING_ROUNDS`` more untimed
-   rounds run, so the timed rounds measure the plan, not its learning (with 2
-   warm-up rounds, 2-3 of the HF GPT-2 config's 8 timed rounds had run
-   hooked). Every later round is timed.
+   rounds run, so the timed rounds measure the plan, not its learning (the
+   warm-up rounds alone left some of the HF GPT-2 config's timed rounds
+   running with the hooks its plan drops once settled). Every later round
+   is timed.
 4. Before the first round, one plain-autograd step gives the reference
    gradients ("none" is compared against them too, which checks that the
    step itself is deterministic), and one ``Keep`` step gives the model's
@@ -32,7 +33,7 @@ model, and the numbers are only comparable if nothing but the variant differs:
    (parameters, buffers and tensors under ``min_bytes`` are skipped, not
    counted), the base of ``auto:<n>%`` budgets.
 5. Memory is measured on every timed step, as NOTE [ Real memory ] in
-   memory.py says: the real peak growth (resident set on the CPU, from a
+   memory/_memory.py says: the real peak growth (resident set on the CPU, from a
    trimmed heap; ``max_memory_allocated`` on CUDA) is the headline. What the
    stash counted per tier is a secondary figure: tiers peak at different
    moments, skipped tensors are not in it, and it is not what the process
@@ -69,8 +70,8 @@ model, and the numbers are only comparable if nothing but the variant differs:
    over predicted), never a ratio of medians: the rounds share the machine's
    state, the medians do not. A predicted step time is compared as an
    overhead (over the plan's base, the step with nothing moved) with the
-   step's overhead over none in its round: on a shared machine the same step
-   took 3.8 to 5.1 s within a minute (``medium``, CPU), and a plan predicts
+   step's overhead over none in its round: on a shared machine the same
+   step's time drifts by a large share within a minute, and a plan predicts
    from earlier steps than those it runs in.
 10. ``--dtype bfloat16`` runs the forward under bfloat16 autocast, weights and
     gradients staying float32, the reference too. Each dtype is a run of its

@@ -30,7 +30,7 @@ class Row:
         overhead: median over the timed rounds of the step over the step of
             "none" in the same round.
         real_peak_bytes: median over the timed steps of the real peak growth
-            (NOTE [ Real memory ] in memory.py: resident set on the CPU,
+            (NOTE [ Real memory ] in memory/_memory.py: resident set on the CPU,
             allocated memory on CUDA).
         peak_vs_none: median over the timed rounds of the real peak over that
             of "none" in the same round.
@@ -281,9 +281,8 @@ def pareto_front(rows: Sequence[Row]) -> list[Row]:
     step time at or below its own, one of the two strictly below. Step times
     compare as the rows' overheads, medians of same-round ratios to no stash's
     step (rule 9 of the NOTE): on a noisy machine the medians of the steps
-    themselves can rank two variants the other way round (the HF GPT-2 config,
-    2 cores: ``auto:50%`` at 1.07x and ``disk`` at 1.43x, with median steps of
-    0.393 s and 0.353 s).
+    themselves, taken in different rounds, can rank two variants the other way
+    round (docs/figures/planning.md).
     """
     measured = [(row, row.real_peak_bytes) for row in rows if row.skipped is None]
     points = [(row, peak, row.overhead) for row, peak in measured if peak is not None]

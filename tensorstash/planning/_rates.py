@@ -1,10 +1,12 @@
-"""How fast bytes move here and now: the probes behind the plan's cost model (NOTE [ Plan ] rule 3).
+"""How fast bytes move here and now: the speeds the plan's cost model weighs (NOTE [ Plan ] rule 3).
 
 A plan weighs recomputing a module (its measured forward time) against moving
 bytes; both must be measured under the same load, so the speeds of moving
-bytes are probed on this thread when a plan is made, a few milliseconds each,
-and reused for ``REUSE_S`` seconds. What a checkpointed region costs beyond
-its recompute is probed once per device (:func:`region_cost`).
+bytes are probed on this thread when a plan is made, each on ``PROBE_BYTES``
+(short beside a step), and reused for ``REUSE_S`` seconds. What a
+checkpointed region costs beyond its recompute is probed once per device
+(:func:`region_cost`). :class:`Rates` carries them to the plan, with the
+defaults below for what was not probed.
 """
 
 from __future__ import annotations
@@ -17,12 +19,41 @@ import tempfile
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import lz4.block
 import torch
 
 from tensorstash.core._layout import memory
+
+LINK_BYTES_PER_S = 20e9
+"""Device to host and back (PCIe), until probed (:func:`link_rate`)."""
+DISK_BYTES_PER_S = 0.45e9
+"""Spill write, read and checksum, per second of a busy CPU, until probed (:func:`disk_rate`)."""
+LZ4_BYTES_PER_S = 0.6e9
+"""lz4 compression and decompression of activations, per second of CPU, until probed."""
+LZ4_RATIO = 1.5
+"""What lz4 keeps of float activations, as original over stored bytes."""
+REFAULT_BYTES_PER_S = 5e9
+"""Handing memory back to the OS and faulting it in again, per second (NOTE [ Plan ]
+rule 8), where the probe cannot run (:func:`refault_rate`)."""
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Speeds the cost model uses (bytes per second; NOTE [ Plan ] rule 3)."""
+
+    link: float = LINK_BYTES_PER_S
+    disk: float = DISK_BYTES_PER_S
+    compress: float = LZ4_BYTES_PER_S
+    ratio: float = LZ4_RATIO
+    refault: float = REFAULT_BYTES_PER_S
+    region_s: float = 0.0
+    """What a recomputed region costs beyond its recompute, per region (:func:`region_cost`)."""
+    saved_s: float = 0.0
+    """The same per tensor the region saves."""
+
 
 PROBE_BYTES = 4 << 20
 REUSE_S = 30.0
@@ -148,9 +179,8 @@ def region_cost(device: torch.device) -> tuple[float, float]:
     once in forward (a holder in place of the tensor) and once in backward
     (the unpack that looks up what the recompute made again), and some for
     the region itself (RNG state, its hook pair). On a step bound by
-    launching kernels that time is the step's: on the bench's ``medium``
-    (H200) a step recomputing every block took 14.5 ms over no stash's 13.5,
-    and its recompute, timed in backward, 5 ms of it. The probe runs chains
+    launching kernels that time is the step's, and it can exceed the
+    recompute itself (docs/figures/planning.md). The probe runs chains
     of ``sin`` (each saves its input) on a small tensor of ``device``, with
     and without checkpointing, and takes what checkpointing added beyond one
     more forward, for a short and a long chain. Probed once per device: it is
