@@ -72,3 +72,14 @@ def test_subpackages_import_only_the_ones_before_them() -> None:
         if (_layer(name) or "top") not in allowed[layer]
     ]
     assert not upward, "imports against the layer order: " + "; ".join(upward)
+
+
+def test_the_session_imports_no_policy_planner_or_profiler() -> None:
+    """The session knows policies through their protocol and a selector's planning through
+    session/quiet.py: from the tiers it takes only recompute's region flag."""
+    found = {
+        name
+        for module, layer, name in _imports()
+        if layer == "session" and _layer(name) not in ("core", "session")
+    }
+    assert found == {"tensorstash.tiers.recompute"}, found

@@ -67,6 +67,12 @@ def bug(message: str) -> AssertionError:
     return AssertionError(f"tensorstash: {message}; this is a bug in tensorstash, please report it")
 
 
+class ReadBackError(RuntimeError):
+    """A policy could not give a saved tensor back as it was saved (a spill file lost,
+    cut short or corrupted). The session raises it again naming the module that saved
+    the tensor; a policy raises it with what went wrong and how to fix it."""
+
+
 # -- packed values ---------------------------------------------------------------
 
 
@@ -233,9 +239,6 @@ class Context:
         self.resources: dict[Any, Any] = {}
         # The session's profile (NOTE [ Profile ] in profile.py), or None.
         self.profile: Any = None
-        # A weak reference to the session (rule 10 of NOTE [ Session ]: a selector
-        # hands a step back to plain autograd through it), or None.
-        self.session: Any = None
 
     # Executors -------------------------------------------------------------------
 

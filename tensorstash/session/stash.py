@@ -99,49 +99,26 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from tensorstash.core import _reasons
 from tensorstash.core._fastpath import compiled
 from tensorstash.core._names import NAMES
 from tensorstash.core._names import resolve as _resolve
-from tensorstash.core._reasons import Reason, Why, reason
-from tensorstash.core.policy import Context, Defer, Held, Keep, Packed, Policy, bug, nbytes_of
-from tensorstash.core.stats import Decision, StashStats
-from tensorstash.session import _dtensor, _modules
-from tensorstash.session._verify import check, checksum
+from tensorstash.core.policy import Context, Keep, Policy
+from tensorstash.core.stats import StashStats
+from tensorstash.session import _modules
+from tensorstash.session.packing import Packing
 from tensorstash.session.quiet import HOOKED, Event, Machine, Pair, State
 from tensorstash.session.rules import (
     PARAMETER_COPIES,
-    distributed_reason,
-    held,
-    ineligible,
-    subclass_reason,
-    unsized_reason,
-    unusual,
 )
-from tensorstash.session.values import (
-    Dedupe,
-    Distributed,
-    Kept,
-    Order,
-    RecentWindow,
-    Saved,
-    modified,
-)
-from tensorstash.tiers.disk import SpillError
-from tensorstash.tiers.recompute import saving_plan_inputs
 
 DEFAULT_MIN_BYTES = 64 * 1024
 """Tensors smaller than this are kept: moving them costs more time than the bytes are worth."""
-
-PREFETCH_DEPTH = 2
-"""How many earlier packs an unpack starts bringing back."""
 
 
 @runtime_checkable
@@ -215,15 +192,18 @@ class Session(contextlib.ContextDecorator):
         self._stats = StashStats()
         self._ctx = Context(self._stats, workers=workers)
         self._ctx.profile = profile
-        self._choose = getattr(policy, "choose", None)
-        self.order = Order()  # the value packed last (rule 6)
-        self._window = RecentWindow()
-        self._dedupe = Dedupe()
-        self._hot = self._stats.hot  # counted without a lock: see HotCounts
-        self._kept_tier = self._stats.tiers["kept"]
+        self._packing = packing = Packing(
+            policy,
+            min_bytes=min_bytes,
+            record=record,
+            verify=verify,
+            profile=profile,
+            ctx=self._ctx,
+        )
+        self.pack = packing.pack  # the hooks (NOTE [ Session ]); no cycle: they hold no session
+        self.unpack = packing.unpack
         self._owner = 0  # the thread whose hooks this session pushed last
         self._pushed: list[bool] = []  # per open: whether this enter pushed hooks (rule 8)
-        self._step: Any = None  # the profile's step being measured
         self._planner: Any = None  # the selector's planning for the step (session/quiet.py)
         self._machine = Machine()  # NOTE [ Quiet-step machine ] in quiet.py
         self._cancel_next: Callable[[], None] = _nothing  # stop waiting for a module call
@@ -248,6 +228,7 @@ class Session(contextlib.ContextDecorator):
     # Context manager ---------------------------------------------------------------
 
     def __enter__(self) -> Session:
+        packing = self._packing
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint":
             self._pushed.append(False)  # rule 8: the region recomputes its tensors
@@ -275,12 +256,12 @@ class Session(contextlib.ContextDecorator):
         self._planner = planning
         opening = planning.opening if planning is not None else HOOKED
         # The step's own choose (Auto's state), bound once: rule 4 runs per tensor.
-        self._choose = getattr(planning, "choose", None) or getattr(self.policy, "choose", None)
-        self._step = self._pair_plan = None
+        packing.choose = getattr(planning, "choose", None) or getattr(self.policy, "choose", None)
+        packing.step = self._pair_plan = None
         self._machine.move(Event.OPEN, opening.state)
         if opening.state is State.HOOKED:
             _modules.track()
-            self._step = self.profile.begin(self._ctx, self.min_bytes) if self.profile else None
+            packing.step = self.profile.begin(self._ctx, self.min_bytes) if self.profile else None
             hooks = self._hooks()
         else:
             hooks = (_same, _same)  # eager code's tensors stay where they are
@@ -316,6 +297,7 @@ class Session(contextlib.ContextDecorator):
         False where it cannot: it did not open quiet, or it decided already, or
         others' hooks are pushed inside it (it then stays as it is for this step).
         """
+        packing = self._packing
         if not self.opened_quiet or not self._innermost_alone():
             return False
         self._decided()
@@ -324,7 +306,7 @@ class Session(contextlib.ContextDecorator):
         woke = getattr(self._planner, "woke", None)
         if woke is not None:
             woke()  # its planning hears of the first module called, if not planned yet
-        self._step = self.profile.begin(self._ctx, self.min_bytes) if self.profile else None
+        packing.step = self.profile.begin(self._ctx, self.min_bytes) if self.profile else None
         torch._C._autograd._push_saved_tensors_default_hooks(*self._hooks())
         if module is not None:
             _modules.enter(module, args)
@@ -360,29 +342,30 @@ class Session(contextlib.ContextDecorator):
         Made at each push and not kept on the session: either pair holds the
         session, and a pair kept on it would be a cycle left for the collector.
         """
-        if compiled is None or self.record or self.verify or self._step is not None:
-            return self.pack, self._unpack_hook
+        packing = self._packing
+        if compiled is None or self.record or self.verify or packing.step is not None:
+            return packing.pack, packing.unpack_hook
         hooks = compiled.Hooks(
             owner=self,
             pack=self.pack,
             unpack=self.unpack,
-            hot=self._hot,
-            kept_tier=self._kept_tier,
-            dedupe=self._dedupe,
-            values=self._dedupe.values,
+            hot=packing.hot,
+            kept_tier=packing.kept_tier,
+            dedupe=packing.dedupe,
+            values=packing.dedupe.values,
             state=_modules._state,
             thread=_modules._thread(),
             policy=self.policy,
-            choose=self._choose,
+            choose=packing.choose,
             ctx=self._ctx,
             tensor_type=_Tensor,
             parameter_type=_Parameter,
             keep_type=Keep,
             copies=PARAMETER_COPIES,
             sequence_nr=_sequence_nr,
-            pack_chosen=self._pack,
-            prefetch=self._prefetch_from,
-            order=self.order,
+            pack_chosen=packing.pack_chosen,
+            prefetch=packing.prefetch_from,
+            order=packing.order,
             min_bytes=self.min_bytes,
         )
         return hooks.pack, hooks.unpack
@@ -396,6 +379,7 @@ class Session(contextlib.ContextDecorator):
         return hook == self.pack or getattr(hooks, "owner", None) is self
 
     def __exit__(self, *exc: object) -> None:
+        packing = self._packing
         if not self._pushed:
             raise RuntimeError("tensorstash.stash: the session was exited more often than entered")
         if not self._pushed[-1]:
@@ -425,8 +409,8 @@ class Session(contextlib.ContextDecorator):
         self._pushed.pop()
         active.pop()
         self._stats.fold()
-        if self._step is not None:
-            self._step.session_exited()
+        if packing.step is not None:  # kept: backward's first unpack tells it (unpack_hook)
+            packing.step.session_exited()
         if self._planner is not None:
             self._planner.end()
         if self.opened_quiet:  # rule 11: the model was never called, or could not decide
@@ -458,112 +442,11 @@ class Session(contextlib.ContextDecorator):
             return False
         self._machine.move(Event.GO_QUIET, State.QUIET)
         _modules.untrack()
-        self._step = None  # the profile times the step as quiet (rule 8 of NOTE [ Profile ])
+        self._packing.step = (
+            None  # the profile times the step as quiet (rule 8 of NOTE [ Profile ])
+        )
         self._count_quiet()
         return True
-
-    # Hooks ----------------------------------------------------------------------------
-
-    def pack(self, tensor: Tensor, wrapper: Tensor | None = None) -> Any:
-        """The pack hook: the rules of NOTE [ Session ], in order.
-
-        ``wrapper`` is the DTensor when ``tensor`` is its local tensor (rule 9).
-        """
-        # Rule 1: eligibility; for a plain Tensor, the size first (most tensors are small).
-        try:
-            nbytes = tensor.nbytes
-        except RuntimeError:  # sparse tensors have no plain size
-            return self._untouched(tensor, unsized_reason(tensor), nbytes_of(tensor))
-        if type(tensor) is not _Tensor:  # parameters, DTensors (rule 9), other subclasses
-            return self._pack_subclass(tensor, nbytes)
-        grad_fn = tensor.grad_fn
-        hold = held(tensor, grad_fn)
-        if nbytes < self.min_bytes:
-            hot = self._hot
-            hot.small_tensors += 1
-            hot.small_bytes += nbytes
-            if self.record:
-                self._log(tensor, "kept", nbytes, _reasons.UNDER_MIN_BYTES, wrapper)
-            return (hold, tensor._version)
-        why = ineligible(tensor, grad_fn)
-        if why is not None:
-            return self._untouched(tensor, why, nbytes, wrapper)
-        try:
-            address = tensor.data_ptr()
-        except (RuntimeError, NotImplementedError):  # no storage: mkldnn, functorch wrappers
-            why = unusual(tensor) or _reasons.SUBCLASS
-            return self._untouched(tensor, why, nbytes, wrapper)
-        kind = _modules.state_kind(tensor, address) if address else None
-        if kind is not None:
-            why = _reasons.BUFFER if kind == "buffer" else _reasons.PARAMETER
-            return self._untouched(tensor, why, nbytes, wrapper)
-        # Rule 2 is in the values made below: each records the version.
-        # Rule 3: dedupe.
-        hot = self._hot
-        if hot.released:
-            hot.drain()
-        found = self._dedupe.find(tensor, address) if nbytes else None
-        if found is not None:
-            return self._deduplicated(tensor, found, wrapper)
-        # Rule 4: choice.
-        record = site = None
-        if self.profile is not None and not saving_plan_inputs():
-            site = self.profile.site(_modules.current(), tensor)
-            record = self.profile.record_pack(site, nbytes)
-        policy: Any = self.policy
-        why = None
-        if self._choose is not None:
-            policy, why = self._choose(tensor, self._ctx, site)
-        if type(policy) is not Keep or self.verify:
-            return self._pack(tensor, address, policy, why, record, wrapper)
-        kept = Kept(hold, tensor._version, nbytes, hot, self.order.last)
-        hot.tensors += 1
-        hot.bytes += nbytes
-        live = hot.live = hot.live + nbytes
-        if live + self._kept_tier.live_bytes > hot.peak:
-            hot.peak = live + self._kept_tier.live_bytes
-        self._dedupe.add(kept, address)
-        if self.record:
-            self._log(tensor, "kept", nbytes, why or _policy_reason(policy), wrapper)
-        return kept
-
-    def unpack(self, saved: Any) -> Tensor:
-        """The unpack hook: check the version (rule 2), prefetch earlier packs (rule 6), unpack."""
-        kind = type(saved)
-        if kind is tuple:
-            tensor, version = saved
-            if tensor._version != version:
-                raise modified(tensor, tensor._version, version)
-            return tensor
-        if kind is Kept:
-            tensor = saved.tensor
-            if tensor._version != saved.version:
-                raise modified(tensor, tensor._version, saved.version)
-            self._hot.unpacks += 1
-            if saved.prev is not None:
-                self._prefetch_from(saved.prev)
-            return tensor
-        if kind is not Saved:
-            if kind is Distributed:  # rule 9
-                return _dtensor.rebuild(self.unpack(saved.local), saved.spec)
-            raise bug(f"unpack received {type(saved).__name__}")
-        return self._unpack(saved)
-
-    @property
-    def _unpack_hook(self) -> Any:
-        """The unpack hook to push: with a profile's step, one that tells it backward began.
-
-        Made when pushed, not kept: a bound method kept on the session would be
-        a reference cycle, left for the garbage collector at every step.
-        """
-        return self.unpack if self._step is None else self._unpack_first
-
-    def _unpack_first(self, saved: Any) -> Tensor:
-        """The unpack hook of a session with a profile: backward's start ends its step's forward."""
-        step = self._step
-        if step is not None:
-            step.backward_started()
-        return self.unpack(saved)
 
     @property
     def plan(self) -> Any:
@@ -586,174 +469,6 @@ class Session(contextlib.ContextDecorator):
         background compression and writes finish.
         """
         return self._stats.decisions
-
-    # Internals -------------------------------------------------------------------------
-
-    def _deduplicated(
-        self, tensor: Tensor, found: Kept | Saved, wrapper: Tensor | None
-    ) -> Kept | Saved:
-        """Rule 3: a value already packed for this storage, geometry and version."""
-        self._stats.count_dedupe()
-        if self.record:
-            packed = found.packed if isinstance(found, Saved) else None
-            tier = packed.tier if isinstance(packed, Packed) else "kept"
-            self._log(tensor, tier, 0, _reasons.DEDUPLICATED, wrapper)
-        return found
-
-    def _untouched(
-        self, tensor: Tensor, why: Reason, nbytes: int, wrapper: Tensor | None = None
-    ) -> tuple[Tensor, int]:
-        """Rule 1: keep ``tensor`` as it is, counted in ``stats.skipped``."""
-        self._stats.skip(why, nbytes)
-        if self.record:
-            self._log(tensor, "kept", nbytes, why, wrapper)
-        return (held(tensor, tensor.grad_fn), tensor._version)
-
-    def _pack_subclass(self, tensor: Tensor, nbytes: int) -> Any:
-        """Rule 1 for a tensor that is not a plain Tensor; rule 9 for a DTensor."""
-        part = _dtensor.local_part(tensor)
-        if part is None:
-            why = _reasons.UNDER_MIN_BYTES if nbytes < self.min_bytes else subclass_reason(tensor)
-            return self._untouched(tensor, why, nbytes)
-        local = part.local
-        nbytes = nbytes_of(local)
-        small = nbytes < self.min_bytes
-        kept = _reasons.UNDER_MIN_BYTES if small else distributed_reason(tensor, part)
-        if kept is not None:  # kept whole, counted and logged as its local tensor
-            self._stats.skip(kept, nbytes)
-            if self.record:
-                self._log(local, "kept", nbytes, kept, tensor)
-            return (held(tensor, tensor.grad_fn), tensor._version)
-        return Distributed(self.pack(_dtensor.alias(tensor, local), tensor), part.spec)
-
-    def _pack(
-        self,
-        tensor: Tensor,
-        address: int,
-        policy: Any,
-        why: Reason | None,
-        record: Any,
-        wrapper: Tensor | None,
-    ) -> Saved | tuple[Tensor, int]:
-        """Rules 4 to 6 for a tensor a policy packs (or a selector defers)."""
-        odd = unusual(tensor)
-        if odd is not None:
-            return self._untouched(tensor, odd, tensor.nbytes, wrapper)
-        start = _perf_counter()
-        deferred = policy if isinstance(policy, Defer) else None
-        if deferred is not None:
-            policy = _KEEP
-            for waiting, leaving in self._window.leaving(tensor.nbytes, deferred.window):
-                self._pack_deferred(waiting, leaving)
-        packed = policy.pack(tensor, self._ctx)
-        saved = Saved(policy, packed, tensor, self)
-        if self.record and isinstance(packed, Packed):
-            why = why or _policy_reason(policy)
-            row = self._log(tensor, packed.tier, packed.stored_bytes, why, wrapper)
-            row.waiting = deferred is not None
-            self._ctx.attach_row(packed, row)
-        if self.verify:
-            saved.checksum = checksum(tensor)
-        if record is not None:
-            record.offloaded = getattr(packed, "tier", "kept") != "kept"
-            saved.record = record
-        if isinstance(packed, Packed):
-            self._ctx.account(packed)
-        if address:
-            self._dedupe.add(saved, address)
-        self.order.last = weakref.ref(saved)
-        if deferred is not None:
-            self._window.enter(saved, deferred, tensor.nbytes)
-        self._stats.timed("pack", _perf_counter() - start)
-        self._ctx.flush_warnings()
-        return saved
-
-    def _unpack(self, saved: Saved) -> Tensor:
-        start = _perf_counter()
-        saved.check_version()
-        if saved.prev is not None:
-            self._prefetch_from(saved.prev)
-        record, profile = saved.record, self.profile
-        began = profile.clock() if record is not None and profile is not None else 0.0
-        try:
-            tensor = saved.policy.unpack(saved.packed, self._ctx)
-        except SpillError as error:
-            # The error also waits in its policy's future: without its traceback,
-            # which now holds this frame (and so the packed value).
-            message, cause = str(error), error.__cause__
-            error.__traceback__ = None
-            raise SpillError(f"{message} It was saved by {saved.where()}.") from cause
-        if record is not None and profile is not None:
-            record.unpack_s += profile.clock() - began
-        if isinstance(tensor, Held):
-            tensor = tensor.value()
-        if not isinstance(tensor, Tensor):
-            raise bug(f"policy {saved.policy!r} unpacked to {type(tensor).__name__}")
-        if saved.checksum is not None:
-            check(saved.checksum, tensor, f"{saved.describe()}, unpacked by {saved.policy!r},")
-        self._stats.timed("unpack", _perf_counter() - start)
-        self._ctx.flush_warnings()
-        return tensor
-
-    def _log(
-        self, tensor: Tensor, tier: Any, stored: int, why: Reason, wrapper: Tensor | None = None
-    ) -> Decision:
-        """Log a row for ``tensor`` (a DTensor's local tensor: with its ``wrapper``'s op)."""
-        grad_fn = (tensor if wrapper is None else wrapper).grad_fn
-        row = Decision(
-            module=_modules.current(),
-            op=type(grad_fn).__name__ if grad_fn is not None else None,
-            shape=list(tensor.shape),
-            dtype=str(tensor.dtype).removeprefix("torch."),
-            bytes=tensor.nbytes,
-            tier=tier,
-            stored_bytes=stored,
-            reason=why,
-        )
-        self._stats.log(row)
-        return row
-
-    def _pack_deferred(self, saved: Saved, deferred: Defer) -> None:
-        holding = saved.packed
-        if not isinstance(holding, Held) or holding.tensor is None:
-            return
-        tensor = holding.tensor
-        if tensor._version != saved.version:
-            return  # changed in place: unpack raises, as autograd would
-        packed = deferred.policy.pack(tensor, self._ctx)
-        if isinstance(packed, Packed):
-            self._ctx.replace(holding, packed)
-        else:
-            self._ctx.release(holding)
-        saved.switch(deferred.policy, packed)
-        if saved.record is not None:
-            saved.record.offloaded = getattr(packed, "tier", "kept") != "kept"
-
-    def _prefetch_from(self, ref: weakref.ref[Saved]) -> None:
-        """Rule 6: start bringing back the packed values before an unpacked one."""
-        found: weakref.ref[Saved] | None = ref
-        for _ in range(PREFETCH_DEPTH):
-            earlier = found() if found is not None else None
-            if earlier is None:
-                return
-            prefetch = getattr(earlier.policy, "prefetch", None)
-            if prefetch is not None and not earlier.prefetched:
-                earlier.prefetched = True
-                prefetch(earlier.packed, self._ctx)
-            found = earlier.prev
-
-    def _release_saved(self, saved: Saved) -> None:
-        """Rule 7 for a packed value: release its resources."""
-        packed = saved.packed
-        if isinstance(packed, Packed):
-            self._ctx.release(packed)
-
-
-_KEEP = Keep()
-
-
-def _policy_reason(policy: Any) -> Reason:
-    return reason(Why.POLICY, type(policy).__name__)
 
 
 def stash(

@@ -123,6 +123,7 @@ from tensorstash.core.policy import (
     Held,
     HostBytes,
     Packed,
+    ReadBackError,
     Spillable,
     bug,
     finalize,
@@ -164,7 +165,7 @@ _RERUN = (
 )
 
 
-class SpillError(RuntimeError):
+class SpillError(ReadBackError):
     """A spill file could not be written, or read back as it was written."""
 
 
