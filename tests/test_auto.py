@@ -266,13 +266,15 @@ def test_auto_makes_no_tier_in_a_step_that_keeps_everything(
     """A DiskSpill checks its directory when made (a probe file, the mount table): a step
     that keeps every tensor must not pay for that."""
     made: list[object] = []
-    real = ts.auto.DiskSpill
+    from tensorstash.planning import _auto_choice
+
+    real = _auto_choice.DiskSpill
 
     def counting(*args: object, **kwargs: object) -> object:
         made.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ts.auto, "DiskSpill", counting)
+    monkeypatch.setattr(_auto_choice, "DiskSpill", counting)
     model = mlp()
     run(model, ts.Auto(device_budget="1GiB", host_probe=fixed(64 << 30)))
     assert made == []

@@ -416,7 +416,7 @@ def test_auto_sets_up_checkpointing_only_for_a_plan_that_recomputes_outside_its_
         sys.modules["tensorstash_test_set_up"] = types.ModuleType("tensorstash_test_set_up")
         return 10.0
 
-    monkeypatch.setattr("tensorstash.planning.auto.warm_up", warm_up)
+    monkeypatch.setattr("tensorstash.planning._auto_step.warm_up", warm_up)
     monkeypatch.delitem(sys.modules, "tensorstash_test_set_up", raising=False)
     model = fresh()
     profile = ts.Profile(clock=clock)
@@ -1373,7 +1373,7 @@ def test_auto_watches_a_planned_cpu_step_where_its_plan_hands_memory_back(
     """With the session pool every plan that saves bytes hands them back; trimming (where
     the pool is not built, or another allocator holds the CPU), only a plan that holds
     at most ``RETURNS_BELOW`` of the activation bytes, every three quarters of them."""
-    import tensorstash.planning.auto as auto_module
+    import tensorstash.planning._auto_step as auto_step
 
     pooled = pool == "leased"
     if pool == "not built":
@@ -1384,9 +1384,9 @@ def test_auto_watches_a_planned_cpu_step_where_its_plan_hands_memory_back(
         monkeypatch.setattr(_pool, "lease", lambda cap: None)
 
     made: list[int] = []
-    watch = auto_module.Watch
+    watch = auto_step.Watch
     monkeypatch.setattr(
-        auto_module, "Watch", lambda every, *a, **k: made.append(every) or watch(every, *a, **k)
+        auto_step, "Watch", lambda every, *a, **k: made.append(every) or watch(every, *a, **k)
     )
     model = fresh()
     activation = activation_bytes(model, data())

@@ -1,0 +1,111 @@
+"""The plan an Auto step follows (NOTE [ Plan ] in plan.py): made from what the profile
+measured, Auto's parameters and the speeds of moving bytes probed now, once per budget
+and setting (``Profile.plan_for``).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from tensorstash.core.stats import human_bytes
+from tensorstash.memory import _pool
+from tensorstash.planning import _rates
+from tensorstash.planning.plan import Plan, Rates, make_plan
+
+CPU_CONTENTION = 3.0
+"""How much more a byte moved on a busy CPU costs the step than a probe of it took."""
+
+
+def plan_step(
+    auto: Any, profile: Any, budget: int, device_type: str, root: nn.Module
+) -> Plan | None:
+    """The plan for a step of ``root`` within ``budget``; warns once per budget that
+    cannot be held."""
+    device = "cuda" if device_type == "cuda" else "cpu"
+    trims = trims_memory(device, auto.trim_every)
+    key = (device, auto.recompute, auto.never_recompute, auto.always_recompute, trims)
+    plan = profile.plan_for(key, budget, lambda: make_plan(
+        profile,
+        budget,
+        device=device,
+        recompute=auto.recompute,
+        never=lambda path: named(profile.module(path), path, auto.never_recompute),
+        always=paths(profile, auto.always_recompute),
+        rates=rates(auto, profile, budget, device_type, root),
+        trims=trims,  # as the step's watch does
+    ))  # fmt: skip
+    if plan is not None and not plan.fits and profile.warn_unreachable(budget):
+        warnings.warn(
+            f"tensorstash.Auto: device_budget {human_bytes(budget)} cannot be held: "
+            f"with every module that is safe to recompute recomputed and every site "
+            f"moved, a step holds {human_bytes(plan.reachable_bytes)}. Pass "
+            f"device_budget >= {plan.reachable_bytes} (or allow more modules to be "
+            "recomputed); until then Auto holds what it can. (Shown once per budget.)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return plan
+
+
+def rates(auto: Any, profile: Any, budget: int, device_type: str, root: nn.Module) -> Rates:
+    """The speeds of moving bytes, probed now (see _rates.py)."""
+    device = next((p.device for p in root.parameters()), torch.device(device_type))
+    region_s, saved_s = region_cost(auto, profile, budget, device)
+    if device_type == "cuda":
+        return Rates(link=_rates.link_rate(device), region_s=region_s, saved_s=saved_s)
+    # On the CPU the writer and the compressor run on the cores the step runs
+    # on, and take the interpreter from it between their calls: a probe alone
+    # says too little. Until a step measured it (Plan rule 6), a byte costs
+    # CPU_CONTENTION times what the probe took.
+    disk, lz4 = _rates.disk_rate(auto.directory), _rates.compress_rate()
+    refault = _rates.refault_rate() or Rates.refault  # what the step pays: NOTE [ Plan ] 8
+    return Rates(
+        disk=disk / CPU_CONTENTION,
+        compress=lz4 / CPU_CONTENTION,
+        refault=refault,
+        region_s=region_s,
+        saved_s=saved_s,
+    )
+
+
+def region_cost(auto: Any, profile: Any, budget: int, device: torch.device) -> tuple[float, float]:
+    """What a recomputed region costs beyond its recompute (``_rates.region_cost``),
+    probed only where a plan may recompute: a run that fits runs no checkpointing.
+    Nothing where the profile's clock is not ``time.perf_counter`` (a test's ticks):
+    the probe's seconds would not be the clock's."""
+    activation = sum(record.nbytes for record in profile.last.values())
+    if not auto.recompute or (activation <= budget and not auto.always_recompute):
+        return 0.0, 0.0
+    if profile.clock is not time.perf_counter:
+        return 0.0, 0.0
+    return _rates.region_cost(device)
+
+
+def trims_memory(device: str, every: int | str | None) -> bool | Literal["auto"]:
+    """Whether a planned CPU step that saves bytes hands memory back: with the session
+    pool, or a size given, always; trimming the heap by default, "auto": where the
+    plan frees enough (NOTE [ Returning memory ] in _trim.py, rule 6)."""
+    if device != "cpu" or every is None:
+        return False
+    return "auto" if every == "auto" and _pool.compiled is None else True
+
+
+def named(module: nn.Module | None, path: str, names: tuple[str, ...]) -> bool:
+    """Whether ``path`` (or its class) is one of ``names``: a path covers the modules in it."""
+    if any(path == name or path.startswith(name + ".") for name in names):
+        return True
+    return module is not None and type(module).__name__ in names
+
+
+def paths(profile: Any, names: tuple[str, ...]) -> list[str]:
+    """The measured module paths ``names`` stand for (paths, or class names)."""
+    found = []
+    for path in profile.modules:
+        if named(profile.module(path), path, names):
+            found.append(path)
+    return found
