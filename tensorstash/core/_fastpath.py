@@ -3,9 +3,9 @@
 # NOTE [ Fast path ]
 Most saved tensors are kept where they are: small ones (under ``min_bytes``),
 and, under Auto's budget or with ``Keep``, the rest. The Python pack hook for
-them is a few dozen bytecodes, 3 to 5 times what autograd's call of an
-identity hook costs, and so are its counts and its record. ``_fast.c`` does
-the same work in C:
+them is a few dozen bytecodes, several times what autograd's call of an
+identity hook costs, and so are its counts and its record (figures:
+docs/figures/session.md). ``_fast.c`` does the same work in C:
 
 1. One hook pair per session. A session with no profile, no decision log and
    no ``verify`` pushes the C hooks (:class:`Hooks`); any other session pushes
@@ -27,7 +27,7 @@ the same work in C:
    tensors on which side (``keep_cpu``) and for how many (``keep_left``). Any
    pack the Python hooks or a policy handle ends the posting, as does the last
    of ``keep_left``: then the selector is asked again. Auto posts its rule 4
-   (see ``_AutoState.choose``).
+   (see ``Chooser.choose`` in planning/_auto_choice.py).
 6. The extension is optional: built when a compiler is there, skipped
    otherwise. ``TENSORSTASH_PURE_PYTHON=1`` in the environment, read at import,
    turns it off; the test suite runs its core files that way too.
