@@ -108,7 +108,37 @@ static PyObject *Hot_pending(HotObject *self, PyObject *unused) {
     return PyLong_FromSsize_t(self->released);
 }
 
+/* post(limit, on_cpu, count): a selector's keep limit (rule 5 of the NOTE). */
+static PyObject *Hot_post(HotObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "HotCounts.post takes (limit, on_cpu, count)");
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(args[0]);
+    if (limit == -1 && PyErr_Occurred())
+        return NULL;
+    int on_cpu = PyObject_IsTrue(args[1]);
+    if (on_cpu < 0)
+        return NULL;
+    Py_ssize_t count = PyLong_AsSsize_t(args[2]);
+    if (count == -1 && PyErr_Occurred())
+        return NULL;
+    self->keep_limit = limit;
+    self->keep_cpu = (char)on_cpu;
+    self->keep_left = count;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Hot_unpost(HotObject *self, PyObject *unused) {
+    self->keep_left = 0;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Hot_methods[] = {
+    {"post", (PyCFunction)(void (*)(void))Hot_post, METH_FASTCALL,
+     "Let the C pack keep ``count`` tensors (on the CPU or not) while ``live`` stays within "
+     "``limit``, without asking the selector."},
+    {"unpost", (PyCFunction)Hot_unpost, METH_NOARGS, "Withdraw what was posted."},
     {"release", (PyCFunction)Hot_release, METH_O,
      "Post the bytes of a kept tensor freed (on any thread)."},
     {"drain", (PyCFunction)Hot_drain, METH_NOARGS,

@@ -23,8 +23,8 @@ docs/figures/session.md). ``_fast.c`` does the same work in C:
 4. A freed ``Kept`` adds its bytes to ``HotCounts.released`` with the GIL held,
    on whatever thread frees it; the hooks' thread takes them off ``live``.
 5. A selector may let the C pack keep tensors without asking it. Its choose
-   posts in ``HotCounts`` how far ``live`` may grow (``keep_limit``), for
-   tensors on which side (``keep_cpu``) and for how many (``keep_left``). Any
+   posts in ``HotCounts`` (``post(limit, on_cpu, count)``) how far ``live``
+   may grow, for tensors on which side and for how many. Any
    pack the Python hooks or a policy handle ends the posting, as does the last
    of ``keep_left``: then the selector is asked again. Auto posts its rule 4
    (see ``Chooser.choose`` in planning/_auto_choice.py).

@@ -88,6 +88,16 @@ class _HotCounts:
         self.released: collections.deque[int] = collections.deque()
         self.keep_limit, self.keep_cpu, self.keep_left = -1, False, 0
 
+    def post(self, limit: int, on_cpu: bool, count: int) -> None:
+        """Let the C pack keep ``count`` tensors (CPU ones if ``on_cpu``, others if not)
+        while ``live`` stays within ``limit``, without asking the selector (rule 5 of
+        NOTE [ Fast path ]); the Python hooks ask it for every tensor."""
+        self.keep_limit, self.keep_cpu, self.keep_left = limit, on_cpu, count
+
+    def unpost(self) -> None:
+        """Withdraw what was posted."""
+        self.keep_left = 0
+
     def release(self, nbytes: int) -> None:
         """Post the bytes of a kept tensor freed, on any thread."""
         self.released.append(nbytes)

@@ -62,12 +62,12 @@ class Chooser:
     def new_step(self, learning: bool) -> None:
         """A step begins: whether it is a profile's first, and nothing posted carries over."""
         self.learning_now = learning
-        self.hot.keep_left = 0
+        self.hot.unpost()
 
     def follow(self, plan: Plan | None) -> None:
         """The step's plan decides from here (what was posted no longer holds)."""
         self.plan = plan
-        self.hot.keep_left = 0
+        self.hot.unpost()
 
     def budget_on(self, device: torch.device) -> int:
         """The session's device budget in bytes, the limits resolved on ``device`` if not yet."""
@@ -140,7 +140,7 @@ class Chooser:
             limit = self.keep_below - (held - nbytes - hot.live)
             if on_host:
                 limit = min(limit, hot.live + self.headroom)
-            hot.keep_limit, hot.keep_cpu, hot.keep_left = limit, on_host, POSTED_KEEPS
+            hot.post(limit, on_host, POSTED_KEEPS)
             return self.keep_under_budget
         return (
             self.planned(tensor, nbytes, held, site)
