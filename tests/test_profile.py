@@ -275,18 +275,18 @@ def test_profile_takes_no_peak_in_a_step_that_imports_and_takes_it_in_the_next()
 def test_profile_module_times_from_a_cold_step_count_only_until_a_warm_one() -> None:
     from collections import deque
 
-    from tensorstash.planning.profile import ModuleRecord, _median_modules
+    from tensorstash.planning._records import ModuleRecord, median_modules
 
     def timed(seconds: float) -> dict[str, ModuleRecord]:
         return {"a": ModuleRecord(calls=1, forward_s=seconds)}
 
     history: deque[tuple[bool, dict[str, ModuleRecord]]] = deque([(True, timed(0.03))])
-    assert _median_modules(history)["a"].forward_s == 0.03  # nothing better yet
+    assert median_modules(history)["a"].forward_s == 0.03  # nothing better yet
     history.append((False, timed(0.01)))
-    assert _median_modules(history)["a"].forward_s == 0.01  # faulted pages left out
+    assert median_modules(history)["a"].forward_s == 0.01  # faulted pages left out
     history.append((True, timed(0.05)))
     history.append((False, timed(0.02)))
-    assert _median_modules(history)["a"].forward_s == pytest.approx(0.015)
+    assert median_modules(history)["a"].forward_s == pytest.approx(0.015)
 
 
 def test_profile_makes_the_plan_again_after_the_warm_step_that_follows_a_cold_one() -> None:
@@ -294,7 +294,7 @@ def test_profile_makes_the_plan_again_after_the_warm_step_that_follows_a_cold_on
     revisions, colds = [], []
     for _ in range(5):
         step(model, batch(), profile)
-        revisions.append(profile._revision)
+        revisions.append(profile._schedule.revision)
         colds.append(profile.history[-1].cold)
     # The first three steps measure, cold (three samples of the real peak); the fourth
     # is warm and measures nothing, yet its times are the first warm ones: the plan is
