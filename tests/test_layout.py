@@ -25,6 +25,7 @@ def test_an_old_import_path_names_the_module_at_its_new_path(old: str) -> None:
     )
 
 
+@pytest.mark.slow  # a new Python process
 def test_old_from_imports_of_public_names_work_in_a_fresh_process() -> None:
     script = (
         "from tensorstash.disk import DiskSpill\n"

@@ -155,6 +155,7 @@ def test_a_session_opened_quiet_wakes_at_a_first_call_that_is_not_the_model(
     ]
 
 
+@pytest.mark.slow  # a trained Auto model: test_plan covers the case in make test
 def test_a_session_opened_quiet_wakes_for_an_inner_session_and_pause(
     moves: list[tuple[str, str, str]],
 ) -> None:
@@ -178,6 +179,7 @@ def test_a_session_opened_quiet_wakes_for_an_inner_session_and_pause(
         assert ("go_quiet", "hooked", "quiet") in ours  # at the model's call
 
 
+@pytest.mark.slow  # a trained Auto model: test_plan covers the case in make test
 def test_a_session_opened_quiet_with_others_hooks_inside_stays_as_it_opened(
     moves: list[tuple[str, str, str]],
 ) -> None:
@@ -192,6 +194,7 @@ def test_a_session_opened_quiet_with_others_hooks_inside_stays_as_it_opened(
     assert session.stats.quiet == 0
 
 
+@pytest.mark.slow  # a trained Auto model: test_plan covers the case in make test
 def test_a_session_that_opened_quiet_and_called_no_module_closes_so(
     moves: list[tuple[str, str, str]],
 ) -> None:
@@ -204,6 +207,7 @@ def test_a_session_that_opened_quiet_and_called_no_module_closes_so(
     assert moves == [("open", "closed", "opened quiet"), ("close", "opened quiet", "closed")]
 
 
+@pytest.mark.slow  # a trained Auto model: test_plan covers the case in make test
 def test_the_session_refuses_what_its_state_does_not_allow() -> None:
     torch.manual_seed(0)
     with ts.stash("cpu") as session:
