@@ -1,4 +1,4 @@
-"""DiskSpill against raw file I/O, and against no stash on real models (README "Spill files").
+"""DiskSpill against raw file I/O, and against no stash on real models (docs/disk.md).
 
 Two measurements; in each the variants run interleaved, round after round, in
 one process, and every figure is the median over the rounds of a ratio taken

@@ -46,7 +46,7 @@ def _arguments() -> argparse.Namespace:
 
 def measure(args: argparse.Namespace, directory: str) -> None:
     if _pool.compiled is None:
-        raise SystemExit("the session pool is not built here (see the README's install notes)")
+        raise SystemExit("the session pool is not built here (see docs/cpu-memory.md)")
     warnings.filterwarnings("ignore")
     step = gpt2_step()
     model, forward, checkpointed = step.model, step.forward, step.checkpointed

@@ -12,7 +12,7 @@ Run: python benchmarks/training_loop.py [--model small] [--dtype float32]
 Here ``--steps`` is the loop's length and ``--rounds`` the rounds (``tensorstash bench
 --loop 20 --steps 4`` is ``--steps 20 --rounds 4`` here). The processes inherit the
 environment: with ``LD_PRELOAD`` naming jemalloc they train under it (the title names
-the allocator; README, "The allocator").
+the allocator; docs/cpu-memory.md, "The allocator").
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@
    against no stash's run of the same round. Rounds alternate the variants'
    order.
 3. The children inherit the environment, ``LD_PRELOAD`` included: run under
-   another allocator, the loop measures that allocator (README, "The
-   allocator").
+   another allocator, the loop measures that allocator (docs/cpu-memory.md,
+   "The allocator").
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def _legend(device: torch.device) -> list[str]:
         held = [
             f"{start},",
             "    and the free memory glibc's malloc walks over and keeps (jemalloc keeps less:",
-            "    README, The allocator)",
+            "    docs/cpu-memory.md, The allocator)",
         ]
     return [
         "",
@@ -203,7 +203,7 @@ def format_title(
     if compiled:
         parts.insert(1, "torch.compile (inductor), deterministic algorithms")
     if kind == "cpu":
-        parts.append(f"allocator {ALLOCATOR.name}")  # what the real peaks depend on (README)
+        parts.append(f"allocator {ALLOCATOR.name}")  # the real peaks depend on it
     if activations is not None:
         parts.append(f"activations {human_bytes(activations)} per step")
     warmup = max([warmup, *(row.warmup_steps for row in measured)])  # rule 3's rounds too

@@ -33,8 +33,8 @@ The measurements behind these rules are in docs/figures/tiers-and-memory.md.
 4. The other way, ``MALLOC_MMAP_THRESHOLD_`` (or ``mallopt``), makes every large
    allocation a fresh mapping returned at free: it changes the whole process
    for good (glibc stops adjusting the threshold) and makes every large
-   temporary fault, so the library does not set it; the README shows it as
-   an allocator setting users may choose.
+   temporary fault, so the library does not set it; docs/cpu-memory.md shows
+   it as an allocator setting users may choose.
 5. Elsewhere (musl, macOS, Windows, an allocator rule 12 does not know)
    nothing is called, and what the allocator keeps is its own business.
 6. A planned step of ``Auto`` on the CPU frees memory with no writer to call
@@ -111,7 +111,7 @@ The measurements behind these rules are in docs/figures/tiers-and-memory.md.
    One counts as serving ``malloc`` only where its own count of the bytes
    allocated sees a ``malloc`` made through the process's symbols (another
    library may carry a private copy). An allocator has to be there before
-   the process starts (``LD_PRELOAD``): the library loads none; the README
+   the process starts (``LD_PRELOAD``): the library loads none; docs/cpu-memory.md
    shows how, and the bench names the allocator in its title.
 13. Three more ways for ``Auto`` to hand back less were measured and left:
    growth counted from the resident set each call left rather than the
