@@ -408,6 +408,7 @@ def test_planned_steps_is_what_run_bench_ticks() -> None:
     assert ticks.count("auto:1MiB" + bench.NO_PLAN) == 2 and "trl" not in ticks
 
 
+@pytest.mark.slow  # a bench run with learning rounds: make test-all
 def test_bench_adds_untimed_rounds_while_a_planner_learns(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -109,6 +109,7 @@ def test_disk_spill_without_o_tmpfile_removes_the_name_at_once(
     assert torch.equal(x.grad, 2 * (x * 2).cos())
 
 
+@pytest.mark.slow  # many steps of spills: make test-all
 def test_disk_spill_reuses_the_extents_of_freed_values(tmp_path: Path) -> None:
     def steps(x: torch.Tensor, session: Any) -> torch.Tensor:
         with session:
@@ -324,9 +325,8 @@ def test_forked_and_multiprocessing_children_keep_to_their_own_directory(tmp_pat
 # -- nothing outlives the graph (rule 6 of NOTE [ Spill files ]) ------------------------------
 
 
-@pytest.mark.parametrize(
-    "background", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["writer", "inline"]
-)
+@pytest.mark.slow  # rounds of writes in flight: make test-all
+@pytest.mark.parametrize("background", [True, False], ids=["writer", "inline"])
 def test_disk_spill_graphs_freed_mid_write_leave_no_file(tmp_path: Path, background: bool) -> None:
     for _ in range(30):
         h = torch.randn(256, 1024, requires_grad=True)
