@@ -22,6 +22,7 @@ import torch
 import tensorstash
 from tensorstash import bench
 from tensorstash.bench import plot as _plot
+from tensorstash.bench.compiled import COMPILE_MODES, CompileOptions
 from tensorstash.bench.loop import (
     LEARNING,
     format_loop_table,
@@ -170,6 +171,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="run every policy on the model compiled by torch.compile (inductor), beside the "
         f"compiler's own activation memory budgets ({_escaped(bench.COMPILE_PEERS)}), under "
         "deterministic algorithms; compile time is reported apart from step time",
+    )
+    run.add_argument(
+        "--compile-mode",
+        choices=list(COMPILE_MODES),
+        default=None,
+        help="with --compile: torch.compile's mode, for the model and the compile:<b> peers "
+        "(default: default); reduce-overhead and max-autotune record CUDA graphs, so they "
+        "need --device cuda",
+    )
+    run.add_argument(
+        "--fullgraph",
+        action="store_true",
+        help="with --compile: compile with fullgraph=True (a graph break is an error)",
+    )
+    run.add_argument(
+        "--dynamic",
+        action="store_true",
+        help="with --compile: compile with dynamic shapes (dynamic=True)",
     )
     run.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON")
     run.add_argument(
@@ -348,7 +367,32 @@ def _run(
     return rows
 
 
+def _compile_options(args: argparse.Namespace) -> CompileOptions | bool:
+    """``--compile`` and how (``--compile-mode``, ``--fullgraph``, ``--dynamic``)."""
+    given = {
+        "--compile-mode": args.compile_mode is not None,
+        "--fullgraph": args.fullgraph,
+        "--dynamic": args.dynamic,
+    }
+    named = [flag for flag, on in given.items() if on]
+    if not args.compile:
+        if named:
+            args.subparser.error(f"{', '.join(named)} say how to compile; add --compile")
+        return False
+    options = CompileOptions(
+        mode=args.compile_mode or "default",
+        fullgraph=args.fullgraph,
+        dynamic=True if args.dynamic else None,
+    )
+    try:
+        options.check(bench.resolve_device(args.device))
+    except ValueError as error:
+        args.subparser.error(str(error).removeprefix("tensorstash bench: "))
+    return options if named else True
+
+
 def _bench(args: argparse.Namespace) -> int:
+    args.compile = _compile_options(args)
     if args.steps is None:
         args.steps = 8 if args.sweep else 3
     if args.threads is not None:
@@ -383,6 +427,8 @@ def _bench(args: argparse.Namespace) -> int:
         if index:
             print()
         print(heading)
+        if isinstance(args.compile, CompileOptions):
+            print(f"torch.compile: {args.compile.describe()}")
         last = index == len(dtypes) - 1
         print(bench.format_table(mine, device=args.device, legend=last))
     if args.json is not None:
@@ -415,7 +461,7 @@ def _bench_loop(args: argparse.Namespace) -> int:
         "--plot": args.plot is not None,
         "--memory-snapshot": args.memory_snapshot is not None,
         "--twins": args.twins,
-        "--compile": args.compile,
+        "--compile": bool(args.compile),
         "--device cuda": args.device != "cpu",
     }
     named = [flag for flag, given in unsupported.items() if given]

@@ -139,3 +139,80 @@ def test_bench_compile_with_loop_is_a_usage_error(capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit):
         cli.main(["bench", "--model", "tiny", "--compile", "--loop", "8"])
     assert "leave out --compile" in capsys.readouterr().err
+
+
+# -- How --compile compiles: torch.compile's mode, fullgraph and dynamic shapes --------------
+
+
+def test_compile_options_refuse_cuda_graph_modes_off_cuda() -> None:
+    from tensorstash.bench.compiled import CompileOptions
+
+    CompileOptions(mode="max-autotune-no-cudagraphs").check(torch.device("cpu"))
+    for mode in ("reduce-overhead", "max-autotune"):
+        with pytest.raises(ValueError, match=rf"{mode} records CUDA graphs.*--device cuda"):
+            CompileOptions(mode=mode).check(torch.device("cpu"))
+        CompileOptions(mode=mode).check(torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"'fast' is not one of torch\.compile's"):
+        CompileOptions(mode="fast")
+
+
+def test_compile_options_reach_torch_compile() -> None:
+    """fullgraph=True: a graph break is an error, in the compiled model and in the peers."""
+    from tensorstash.bench.compiled import CompileOptions
+
+    class Breaking(_Model):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            torch._dynamo.graph_break()
+            return super().forward(x)
+
+    forwards = CompiledForwards(Breaking(), CompileOptions(fullgraph=True, dynamic=True))
+    assert (
+        forwards.compile
+        and forwards.options.describe() == "mode default, fullgraph, dynamic shapes"
+    )
+    try:
+        for name in ("none", "compile:0.5"):
+            with pytest.raises(torch._dynamo.exc.Unsupported):
+                forwards(name)(torch.randn(4, 64))
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compiled_forwards_refuse_a_cuda_graph_mode_for_a_model_on_the_cpu() -> None:
+    from tensorstash.bench.compiled import CompileOptions
+
+    with pytest.raises(ValueError, match="reduce-overhead records CUDA graphs"):
+        CompiledForwards(_Model(), CompileOptions(mode="reduce-overhead"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--fullgraph"], "--fullgraph say how to compile; add --compile"),
+        (["--compile-mode", "default", "--dynamic"], "--compile-mode, --dynamic say how"),
+        (["--compile", "--compile-mode", "reduce-overhead"], "records CUDA graphs"),
+        (["--compile", "--compile-mode", "fast"], "invalid choice: 'fast'"),
+    ],
+)
+def test_bench_compile_flags_are_usage_errors_where_they_cannot_run(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--model", "tiny", *flags])
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_compile_runs_with_fullgraph_and_dynamic_shapes() -> None:
+    """Every variant that keeps to one graph runs with fullgraph=True and dynamic shapes."""
+    from tensorstash.bench.compiled import CompileOptions
+
+    rows = bench.run_bench(
+        policies=["none", "keep", "auto", "auto:50%"],
+        steps=2,
+        warmup=2,
+        workload=_workload(),
+        compile=CompileOptions(fullgraph=True, dynamic=True),
+    )
+    assert all(row.skipped is None for row in rows)
+    assert all(row.grads_equal for row in rows if not row.policy.startswith("compile:"))

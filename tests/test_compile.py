@@ -312,3 +312,85 @@ def test_auto_leaves_compiled_graphs_that_draw_random_numbers_untouched(
     assert plan.random and plan.setting is None and plan.settled
     assert [t.setting for t in plan.trials] == [1.0]  # no other setting was compiled
     assert "draw random numbers" in plan.table()
+
+
+# -- torch.compile's own options: fullgraph, mode, dynamic shapes --
+
+
+def test_auto_plans_a_fullgraph_compile(fresh_dynamo: Any) -> None:
+    """fullgraph=True: neither the pair nor the first step's eager hooks break the graph."""
+    model = _model().eval()
+    fn = torch.compile(lambda x: model(x).square().mean(), backend=PARTITIONED, fullgraph=True)
+    _, reference = _train(model, fn, None, 1, None)
+    sessions, grads = _train(model, fn, ts.Auto(device_budget=256 << 10), 8, ts.Profile())
+    plan = sessions[-1].plan
+    assert plan.settled and plan.setting is not None and plan.setting < 1.0
+    for got in grads:
+        assert all(torch.allclose(a, b) for a, b in zip(got, reference[0], strict=True))
+
+
+@pytest.mark.slow
+def test_auto_plans_dynamic_shapes_by_the_most_a_step_kept(fresh_dynamo: Any) -> None:
+    """Rule 9 of NOTE [ Compiled code ]: steps of two lengths share one graph per setting;
+    the plan fits the longer one, and no step after the plan compiles."""
+    model = _model().eval()
+    fn = torch.compile(lambda x: model(x).square().mean(), backend=PARTITIONED, dynamic=True)
+    lengths = [8, 32] * 6
+    budget = 256 << 10
+    profile = ts.Profile()
+    plans, graphs = [], []
+    for length in lengths:
+        x = torch.randn(16, length, 64)
+        with ts.stash(ts.Auto(device_budget=budget), profile=profile) as session:
+            loss = fn(x)
+        loss.backward()
+        plans.append(session.plan)
+        graphs.append(_graphs())
+    plan = plans[-1]
+    assert plan.settled and plan.setting is not None and plan.setting < 1.0
+    assert plan.kept_bytes is not None and plan.kept_bytes <= budget
+    settled = next(i for i, p in enumerate(plans) if p.settled)
+    assert graphs[settled:] == [graphs[settled]] * (len(lengths) - settled)
+
+
+@pytest.mark.slow
+def test_auto_plans_reduce_overhead_on_the_cpu_as_the_default_mode(fresh_dynamo: Any) -> None:
+    """mode="reduce-overhead" asks for CUDA graphs; on the CPU inductor skips them (and says
+    so in its counters), and Auto plans the graphs it compiles as any others."""
+    from torch._dynamo.utils import counters
+
+    model = _model().eval()
+    fn = torch.compile(lambda x: model(x).square().mean(), mode="reduce-overhead")
+    _, reference = _train(model, fn, None, 1, None)
+    skips = counters["inductor"]["cudagraph_skips"]
+    assert skips > 0
+    sessions, grads = _train(model, fn, ts.Auto(device_budget=256 << 10), 8, ts.Profile())
+    plan = sessions[-1].plan
+    assert plan.settled and plan.setting is not None and plan.setting < 1.0
+    assert counters["inductor"]["cudagraph_skips"] > skips  # each setting's graphs too
+    for got in grads:
+        assert all(
+            torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+            for a, b in zip(got, reference[0], strict=True)
+        )
+
+
+@pytest.mark.slow
+def test_auto_pair_is_not_traced_by_dynamo_in_eager_code_of_a_compiled_function(
+    fresh_dynamo: Any,
+) -> None:
+    """Rule 2 of NOTE [ Compiled code ]: code that dynamo leaves eager inside a compiled
+    function still runs under its frame callback; the pair autograd calls from there runs
+    with dynamo off, and so do the session's hooks it hands tensors to."""
+    model = _model().eval()
+
+    def eager_part(x: torch.Tensor) -> torch.Tensor:
+        return x.tanh() * x  # saves tensors outside any graph
+
+    eager = torch._dynamo.disable(eager_part, recursive=False)
+    fn = torch.compile(lambda x: eager(model(x)).square().mean(), backend=PARTITIONED, dynamic=True)
+    _, reference = _train(model, fn, None, 1, None)
+    sessions, grads = _train(model, fn, ts.Auto(device_budget=256 << 10), 6, ts.Profile())
+    for got in grads:
+        assert all(torch.equal(a, b) for a, b in zip(got, reference[0], strict=True))
+    assert sessions[-1].plan.setting < 1.0  # planned through the compiler, eager part and all

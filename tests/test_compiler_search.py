@@ -3,17 +3,29 @@ tensorstash/planning/compiler.py), fed by hand: which setting each step runs at,
 
 from __future__ import annotations
 
+import pytest
+import torch
+
+from tensorstash.planning import compiler
 from tensorstash.planning.compiler import EXPLORE, SETTINGS, TIE, CompiledSearch
 
 MIB = 2**20
 
-# What a compiled GPT-2 kept at each setting, and its step and real peak there.
+# What a compiled GPT-2 kept at each setting.
 KEPT = {1.0: 28 * MIB, 0.5: 12 * MIB, 0.25: 8 * MIB, 0.1: 3 * MIB, 0.0: 0}
 
+Steps = dict[float, list[tuple[float, int]]]
 
-def _run(search: CompiledSearch, steps: dict[float, list[tuple[float, int]]]) -> list[float | None]:
-    """Step the search to its end: each setting's step compiles first (untimed), then takes
-    its next (seconds, peak) from ``steps``."""
+
+def _run(
+    search: CompiledSearch,
+    steps: Steps,
+    compiling: dict[float, float] | None = None,
+    kept: dict[float, int] = KEPT,
+) -> list[float | None]:
+    """Step the search to its end. Each setting's first step compiles, and gives the time
+    in ``compiling`` (none: the step was not timed); its later steps take their next
+    (seconds, peak) from ``steps``."""
     ran: list[float | None] = []
     compiled: set[float] = set()
     for _ in range(20):
@@ -22,13 +34,20 @@ def _run(search: CompiledSearch, steps: dict[float, list[tuple[float, int]]]) ->
         if search.settled:
             return ran
         assert setting is not None
-        search.measured(setting, KEPT[setting], 0 if KEPT[setting] == 0 else 5)
-        if setting in compiled and steps.get(setting):
+        search.measured(setting, kept[setting], 0 if kept[setting] == 0 else 5)
+        if setting not in compiled:
+            compiled.add(setting)
+            if compiling and setting in compiling:
+                search.timed(setting, compiling[setting], 0, compiled=True)
+        elif steps.get(setting):
             seconds, peak = steps[setting].pop(0)
-            search.trials[setting].seconds.append(seconds)
-            search.trials[setting].peaks.append(peak)
-        compiled.add(setting)
+            search.timed(setting, seconds, peak, compiled=False)
     raise AssertionError(f"the search did not settle: {ran}")
+
+
+def _compiled_down_to_explore() -> list[float]:
+    first_fit = SETTINGS.index(0.5)  # the first to fit a 13 MiB budget
+    return list(SETTINGS[: first_fit + 1 + EXPLORE])
 
 
 def test_search_leaves_compiled_code_that_fits_untouched() -> None:
@@ -37,43 +56,62 @@ def test_search_leaves_compiled_code_that_fits_untouched() -> None:
     assert search.plan().quiet and search.plan().settled
 
 
-def test_search_compiles_down_to_explore_below_the_first_fit_then_times_each_fit() -> None:
+def test_search_times_each_setting_from_the_step_that_compiled_it() -> None:
+    """Compiling steps give their time: the setting that keeps least and is as fast is
+    stepped once for its real peak, the next one up once more, and the search settles."""
     search = CompiledSearch(budget=13 * MIB)
-    steps = {0.5: [(1.0, 50 * MIB)], 0.25: [(1.1, 56 * MIB)], 0.1: [(1.05, 44 * MIB)]}
-    ran = _run(search, steps)
-    first_fit = SETTINGS.index(0.5)
-    compiled = list(SETTINGS[: first_fit + 1 + EXPLORE])
+    compiling = {0.5: 1.3, 0.25: 1.3, 0.1: 1.25}
+    steps = {0.1: [(1.0, 44 * MIB)], 0.25: [(1.05, 51 * MIB)]}
+    ran = _run(search, steps, compiling)
+    compiled = _compiled_down_to_explore()
     assert ran[: len(compiled)] == compiled  # each setting compiled once, in order
-    assert ran[len(compiled) :] == [0.5, 0.25, 0.1, 0.1]  # timed once each, then the plan
+    assert ran[len(compiled) :] == [0.1, 0.25, 0.1]  # two steps, then the plan
     plan = search.plan()
     assert plan.setting == 0.1 and plan.kept_bytes == 3 * MIB
+    assert plan.predicted_step_s == 1.0 and plan.predicted_peak_bytes == 44 * MIB
+    assert search.trials[0.5].seconds == [] and search.trials[0.5].compiling_s == [1.3]
     assert [t.setting for t in plan.trials] == compiled
     assert "activation_memory_budget=0.1" in plan.table()
+
+
+def test_search_goes_up_while_the_setting_above_holds_less() -> None:
+    """Real peaks are not monotonic: the setting that keeps least may peak highest. The
+    setting above is stepped though its compiling step looked slow (a first run is)."""
+    kept = {**KEPT, 0.0: MIB}
+    search = CompiledSearch(budget=KEPT[0.25])  # 0.25 fits first: 0.1 and 0 are tried
+    compiling = {0.5: 1.3, 0.25: 1.3, 0.1: 1.3, 0.0: 1.0}
+    steps = {0.0: [(1.0, 64 * MIB)], 0.1: [(1.0, 46 * MIB)], 0.25: [(1.0, 51 * MIB)]}
+    ran = _run(search, steps, compiling, kept)
+    assert ran[-4:] == [0.0, 0.1, 0.25, 0.1]
+    assert search.choice == 0.1
 
 
 def test_search_takes_the_lowest_real_peak_among_the_nearly_fastest() -> None:
     """Within TIE of the fastest, memory decides; past it, speed does."""
     slow = 1.0 + TIE + 0.05
     search = CompiledSearch(budget=13 * MIB)
-    steps = {
-        0.5: [(1.0, 50 * MIB)],
-        0.25: [(1.0 + TIE / 2, 46 * MIB)],
-        0.1: [(slow, 40 * MIB), (slow, 40 * MIB)],
-    }
-    _run(search, steps)
+    compiling = {0.5: 1.0, 0.25: 1.0 + TIE / 2, 0.1: slow}
+    steps = {0.1: [(slow, 40 * MIB)], 0.25: [(1.0 + TIE / 2, 46 * MIB)], 0.5: [(1.0, 50 * MIB)]}
+    _run(search, steps, compiling)
     assert search.choice == 0.25
-    assert len(search.trials[0.1].seconds) == 2  # left out for speed only after two steps
+    assert search.trials[0.1].timings == 2  # left out for speed only after two steps
 
 
-def test_search_times_a_lower_peak_setting_again_before_leaving_it_out() -> None:
+def test_search_steps_a_setting_that_keeps_less_again_before_leaving_it_out() -> None:
     """One slow step (a busy machine) does not rule out the setting that holds least."""
     search = CompiledSearch(budget=13 * MIB)
-    steps = {
-        0.5: [(1.0, 50 * MIB)],
-        0.25: [(1.1, 56 * MIB)],
-        0.1: [(2.2, 43 * MIB), (1.07, 44 * MIB)],
-    }
-    _run(search, steps)
+    compiling = {0.5: 1.0, 0.25: 1.1, 0.1: 2.2}
+    steps = {0.1: [(1.07, 44 * MIB)], 0.25: [(1.1, 56 * MIB)]}
+    ran = _run(search, steps, compiling)
+    assert ran[len(_compiled_down_to_explore()) :] == [0.1, 0.25, 0.1]
+    assert search.choice == 0.1
+
+
+def test_search_steps_a_setting_whose_compile_was_not_timed() -> None:
+    search = CompiledSearch(budget=13 * MIB)
+    steps = {0.5: [(1.0, 50 * MIB)], 0.25: [(1.0, 56 * MIB)], 0.1: [(1.0, 44 * MIB)]}
+    ran = _run(search, steps)  # no compile step timed: each setting is stepped for its time
+    assert ran[len(_compiled_down_to_explore()) :] == [0.1, 0.25, 0.5, 0.1]
     assert search.choice == 0.1
 
 
@@ -90,3 +128,135 @@ def test_search_chooses_again_when_its_budget_moves() -> None:
     search.rebudget(13 * MIB)  # 1.0 no longer fits: search on from what it knows
     assert not search.settled
     assert search.setting_for_step() == 0.5
+
+
+def test_search_settled_steps_at_its_choice_only() -> None:
+    """No recompile after settling: every later step runs the chosen setting's graphs."""
+    search = CompiledSearch(budget=13 * MIB)
+    _run(search, {0.1: [(1.0, 44 * MIB)], 0.25: [(1.0, 51 * MIB)]}, {0.5: 1, 0.25: 1, 0.1: 1})
+    assert [search.setting_for_step() for _ in range(5)] == [0.1] * 5
+
+
+def test_a_compiling_step_gives_its_time_and_no_peak() -> None:
+    search = CompiledSearch(budget=13 * MIB)
+    search.measured(0.5, KEPT[0.5], 5)
+    search.timed(0.5, 1.2, 300 * MIB, compiled=True)  # the peak is the compiler's
+    trial = search.trials[0.5]
+    assert trial.compiling_s == [1.2] and trial.best_s == 1.2
+    assert trial.seconds == [] and trial.step_s is None and trial.peak_bytes is None
+    search.setting_for_step()
+    assert "~1.200 s" in search.plan().table()
+
+
+def test_compile_clock_counts_the_time_between_its_brackets() -> None:
+    now = [10.0]
+    clock = compiler._CompileClock(lambda: now[0])
+    clock.started()
+    now[0] = 13.0
+    assert clock.read() == 3.0  # the compile under way counts
+    clock.ended()
+    now[0] = 20.0
+    assert clock.read() == 3.0
+    clock.ended()  # an end without a start (callbacks registered mid-compile) adds nothing
+    assert clock.read() == 3.0
+
+
+def test_compiled_step_takes_the_compile_out_of_its_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(compiler, "_CLOCK", compiler._CompileClock(lambda: now[0]))
+    search = CompiledSearch(budget=13 * MIB)
+    step = compiler.CompiledStep(search, 0.5, 0, torch.device("cpu"), known=True)
+    step.count.bytes, step.count.tensors = KEPT[0.5], 5  # what the inlined pack counts
+    compiler._CLOCK.started()
+    now[0] += 20.0  # a lazy backward compile, after the forward
+    assert step.exited() is search
+    compiler._CLOCK.ended()
+    with compiler._PENDING_LOCK:
+        compiler._PENDING.remove(step)  # backward's end, given by hand
+    step.finished(step.start + 20.5)
+    trial = search.trials[0.5]
+    assert trial.kept_bytes == KEPT[0.5]
+    assert trial.compiling_s == [pytest.approx(0.5)] and trial.peaks == []
+
+
+def test_search_made_again_when_a_step_outgrows_the_plan() -> None:
+    """Rule 9: with dynamic shapes a step may keep more; a setting keeps the most."""
+    search = CompiledSearch(budget=13 * MIB)
+    _run(search, {0.1: [(1.0, 44 * MIB)], 0.25: [(1.0, 51 * MIB)]}, {0.5: 1, 0.25: 1, 0.1: 1})
+    assert search.settled and search.choice == 0.1
+    search.measured(0.1, 2 * MIB, 5)  # a smaller step: the setting still keeps its most
+    assert search.trials[0.1].kept_bytes == KEPT[0.1] and search.settled
+    search.measured(0.1, 14 * MIB, 5)  # a longer sequence: over the budget
+    assert not search.settled and search.trials[0.1].kept_bytes == 14 * MIB
+    assert search.setting_for_step() == 0.5  # above 0.25, the least that still fits
+    search.timed(0.5, 1.0, 55 * MIB, compiled=False)
+    assert search.setting_for_step() == 0.25 and search.settled
+
+
+def test_counting_ops_stay_out_of_cuda_graphs() -> None:
+    """Rule 8: a CUDA graph's replay would skip them, and count nothing."""
+    if not hasattr(torch.Tag, "cudagraph_unsafe"):
+        pytest.skip("this torch has no cudagraph_unsafe tag")
+    for op in (torch.ops.tensorstash.saved.default, torch.ops.tensorstash.reached.default):
+        assert torch.Tag.cudagraph_unsafe in op.tags
+
+
+def test_a_step_at_a_setting_on_the_cpu_leases_the_session_pool_until_backward_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rule 10: the lease covers the backward, where the recompute walks its blocks."""
+    from tensorstash.memory import _pool
+
+    if _pool.compiled is None:
+        pytest.skip(f"no session pool here: {_pool.status()[1]}")
+    caps: list[int] = []
+    lease = _pool.lease
+    monkeypatch.setattr(_pool, "lease", lambda cap: caps.append(cap) or lease(cap))
+    search = CompiledSearch(budget=13 * MIB)
+    search.device = torch.device("cpu")
+    search.measured(1.0, 64 * MIB, 5)
+    step = compiler.CompiledStep(search, 0.5, 0, None, known=True)
+    assert step.lease is not None and caps == [16 * MIB]  # a quarter of what 1.0 keeps
+    step.count.bytes, step.count.tensors = KEPT[0.5], 5
+    step.exited()
+    assert step.lease is not None  # the session closed; its backward has not run yet
+    compiler._backward_ended()
+    assert step.lease is None and step not in compiler._PENDING
+    assert compiler.CompiledStep(search, 0.5, 0, None, known=True, pool=None).lease is None
+    search.device = torch.device("cuda")
+    assert compiler.CompiledStep(search, 0.5, 0, None, known=True).lease is None
+    assert caps == [16 * MIB]
+
+
+@pytest.mark.parametrize(
+    ("fn", "random"),
+    [
+        (lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q), False),
+        (lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1), True),
+        (lambda q: torch.nn.functional.dropout(q, 0.1), True),
+        (lambda q: q + torch.rand_like(q), True),
+        (lambda q: q.tanh(), False),
+    ],
+    ids=["attention", "attention-dropout", "dropout", "rand", "tanh"],
+)
+def test_random_graphs_are_those_that_draw(fn: object, random: bool) -> None:
+    """Rule 7: attention at dropout 0 is tagged as seeded, yet draws nothing."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(fn)(torch.randn(1, 2, 4, 8)).graph  # type: ignore[arg-type]
+    assert compiler._draws_random(graph) is random
+
+
+def test_a_step_whose_backward_ran_inside_its_session_ends_when_it_closes() -> None:
+    """Rule 3: `with stash: loss = f(x); loss.backward()` ends the backward before the
+    session closes; the step takes that end, and holds nothing past it."""
+    search = CompiledSearch(budget=13 * MIB)
+    search.device = torch.device("cpu")
+    search.measured(1.0, 64 * MIB, 5)
+    step = compiler.CompiledStep(search, 0.5, 0, torch.device("cpu"), known=True)
+    step.count.bytes, step.count.tensors = KEPT[0.5], 5
+    compiler._backward_ended()  # what the compiled backward's unpack queues
+    step.exited()
+    assert step not in compiler._PENDING and step.lease is None
+    trial = search.trials[0.5]
+    assert len(trial.seconds) == 1 and len(trial.peaks) == 1

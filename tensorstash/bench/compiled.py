@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,6 +44,80 @@ COMPILE_PEERS: tuple[str, ...] = (
 """The compiler's own budgets that ``--compile`` runs beside the variants."""
 RECOMPILE_LIMIT = 64
 """Graphs kept per code object during a compiled run (rule 4)."""
+COMPILE_MODES: tuple[str, ...] = (
+    "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs",
+)  # fmt: skip
+"""The modes of ``torch.compile`` (inductor's) that ``--compile-mode`` takes."""
+CUDA_GRAPH_MODES: tuple[str, ...] = ("reduce-overhead", "max-autotune")
+"""The modes that record CUDA graphs: on the CPU inductor leaves the graphs out."""
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How ``--compile`` compiles the model: the arguments it passes to ``torch.compile``.
+
+    The ``compile:<b>`` peers compile with the same options under their own backend, which
+    hands the mode's inductor settings to inductor (``torch.compile`` takes a mode for its
+    own inductor backend only).
+
+    Attributes:
+        mode: inductor's mode, one of :data:`COMPILE_MODES`. "reduce-overhead" and
+            "max-autotune" record CUDA graphs, which run on CUDA only: on the CPU
+            inductor leaves them out and compiles as the mode without them does, so
+            :meth:`check` refuses them there rather than report a mode that did not run.
+        fullgraph: one graph per compiled function; a graph break is an error,
+            raised by the variant whose code breaks it.
+        dynamic: compile with dynamic shapes from the first step (None: torch's own
+            choice, static until a shape changes).
+
+    Example:
+        >>> CompileOptions(mode="reduce-overhead").check(torch.device("cuda"))
+    """
+
+    mode: str = "default"
+    fullgraph: bool = False
+    dynamic: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in COMPILE_MODES:
+            raise ValueError(
+                f"tensorstash bench: compile mode {self.mode!r} is not one of torch.compile's; "
+                f"pass one of {', '.join(COMPILE_MODES)}"
+            )
+
+    def check(self, device: torch.device) -> None:
+        """Raise ValueError where the options cannot run as asked on ``device``."""
+        if self.mode in CUDA_GRAPH_MODES and device.type != "cuda":
+            raise ValueError(
+                f"tensorstash bench: --compile-mode {self.mode} records CUDA graphs, which "
+                f"run on CUDA only (on the {device.type} inductor leaves them out and "
+                "compiles as the default mode does); pass --device cuda, or "
+                "--compile-mode default"
+                + (" or max-autotune-no-cudagraphs" if self.mode == "max-autotune" else "")
+            )
+
+    def describe(self) -> str:
+        """The options for people, e.g. ``mode reduce-overhead, fullgraph``."""
+        parts = [f"mode {self.mode}"]
+        if self.fullgraph:
+            parts.append("fullgraph")
+        if self.dynamic is not None:
+            parts.append("dynamic shapes" if self.dynamic else "static shapes")
+        return ", ".join(parts)
+
+    def inductor_settings(self) -> dict[str, Any]:
+        """The inductor settings of the mode, for a backend of the bench's own."""
+        from torch._inductor import list_mode_options
+
+        return dict(list_mode_options(self.mode, self.dynamic))
+
+    def compile(self, model: nn.Module, backend: Callable[..., Any] | None = None) -> Any:
+        """``torch.compile(model)`` with these options: inductor at the mode, or ``backend``."""
+        if backend is None:
+            return torch.compile(
+                model, mode=self.mode, fullgraph=self.fullgraph, dynamic=self.dynamic
+            )
+        return torch.compile(model, backend=backend, fullgraph=self.fullgraph, dynamic=self.dynamic)
 
 
 def compile_budget(name: str) -> float | None:
@@ -67,14 +142,17 @@ def compile_budget(name: str) -> float | None:
     return budget
 
 
-def budget_backend(budget: float) -> Callable[..., Any]:
-    """Inductor with the partitioner's memory budget set while it compiles (rule 2)."""
+def budget_backend(budget: float, options: CompileOptions | None = None) -> Callable[..., Any]:
+    """Inductor with the partitioner's memory budget set while it compiles (rule 2), at the
+    mode of ``options``."""
     import torch._functorch.config as functorch_config
     from torch._inductor.compile_fx import compile_fx
 
+    settings = (options or CompileOptions()).inductor_settings()
+
     def backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         with functorch_config.patch(activation_memory_budget=budget):
-            return compile_fx(graph, example_inputs)
+            return compile_fx(graph, example_inputs, config_patches=settings or None)
 
     return backend
 
@@ -90,14 +168,22 @@ class CompiledForwards:
     """The forward each variant calls: the model, or its compiled forms (rules 1 and 2).
 
     Args:
-        model: the model; its compiled forms share its parameters.
+        model: the model, on the device it runs on; its compiled forms share its
+            parameters.
         compile: run every variant but the ``compile:<b>`` peers on
-            ``torch.compile(model)``.
+            ``torch.compile(model)``; :class:`CompileOptions` (or True, their
+            defaults) say how the model and the peers are compiled.
+
+    Raises:
+        ValueError: options that cannot run on the model's device (:meth:`CompileOptions.check`).
     """
 
-    def __init__(self, model: nn.Module, compile: bool) -> None:
+    def __init__(self, model: nn.Module, compile: bool | CompileOptions) -> None:
         self.model = model
-        self.compile = compile
+        self.compile = bool(compile)
+        self.options = compile if isinstance(compile, CompileOptions) else CompileOptions()
+        device = next(model.parameters(), torch.empty(0)).device
+        self.options.check(device)
         self._made: dict[str, Callable[..., Any]] = {}
 
     def __call__(self, name: str) -> Callable[..., Any]:
@@ -107,9 +193,9 @@ class CompiledForwards:
         made = self._made.get(key)
         if made is None:
             if budget is not None:
-                made = torch.compile(self.model, backend=budget_backend(budget))
+                made = self.options.compile(self.model, budget_backend(budget, self.options))
             elif self.compile:
-                made = torch.compile(self.model)
+                made = self.options.compile(self.model)
             else:
                 made = self.model
             self._made[key] = made

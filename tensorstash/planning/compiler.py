@@ -15,14 +15,18 @@
    such a pair into the graphs it compiles under it and turns hooks off
    while those graphs run: no eager hook runs around compiled code. Eager
    code calls the pair as ordinary hooks, which hand the tensor to the
-   session's own pair (``handing``).
+   session's own pair (``handing``), with dynamo off: eager code inside a
+   compiled function (past a graph break) runs under dynamo's frame
+   callback, which would otherwise trace the hooks as user code.
 3. The inlined pack passes each saved tensor through ``tensorstash::saved``,
    which adds its bytes (those at or over the session's ``min_bytes``) to the
    thread's count and returns an empty token; the inlined unpack passes the
    token to ``tensorstash::reached``, which notes the end of the backward
    pass (``queue_callback``). So a session learns, without eager hooks, how
    many bytes the compiled forward kept for backward and when its backward
-   ended. AOTAutograd applies inlined hooks to the intermediates a graph
+   ended: after the session closed, or before, where the backward runs
+   inside it (the session then takes that end, and gives back at once what
+   it held until the backward's end). AOTAutograd applies inlined hooks to the intermediates a graph
    keeps only for backward (its donated buffers), not to its inputs and
    outputs, which the caller holds anyway: those intermediates are what the
    budget covers, and what the partitioner's setting changes.
@@ -31,36 +35,68 @@
    so a graph compiles once per setting, and a setting's graphs are found
    again by its pair. While a graph compiles under a pair, a compile callback
    sets the partitioner's budget to the pair's and puts the user's value back
-   after; dynamo compiles under a lock, so no
-   other thread's compile sees them.
+   after; dynamo compiles under a lock, so no other thread's compile sees
+   them.
 5. The search (:class:`CompiledSearch`, one per profile and budget): the
    first step runs at the default partitioner (1.0), which tells whether the
    session's code is compiled at all. If what it keeps fits the budget, the
-   steps after it push nothing: the user's own graphs run untouched. Else
-   the smaller settings are compiled in turn, once each, and every setting
-   whose kept bytes fit is then run once more, for a step not slowed by
-   compiling; the plan is, among the fitting settings whose step is within
-   ``TIE`` of the fastest one's, the one with the lowest real peak: real
-   peaks are not monotonic in the setting (fewer kept bytes may still peak
-   higher in backward), and the budget is there to hold memory, so a setting
-   that holds less at about the same speed is the better one. No fitting
-   setting then has both a lower real peak and a faster step. Steps compare
-   by their fastest timing, and a setting with a lower real peak than the
-   choice that one step's time left out is timed once more (a step on a
-   shared machine can take twice its time). Once settled,
-   steps are no longer timed (the real-memory meter costs a little). Settings smaller than the
-   largest that fits are tried only up to ``EXPLORE`` of them.
+   steps after it push nothing: the user's own graphs run untouched. Else the
+   smaller settings are compiled in turn, once each, down to ``EXPLORE``
+   below the largest that fits. Compiling is not stepping: a step that
+   compiled gives its time less the time spent compiling (dynamo's compile
+   callbacks bracket each compile, the backward's lazy one included), and no
+   real peak (the compiler's own memory is in it); so each setting has a time
+   once compiled, without a step more. The plan is, among the fitting
+   settings whose step is within ``TIE`` of the fastest one's, the one with
+   the lowest real peak: the budget is there to hold memory, so a setting
+   that holds less at about the same speed is the better one. Real peaks are
+   not monotonic in the setting (fewer kept bytes may still peak higher, where
+   backward recomputes more at once); the search takes them to fall as the
+   setting grows, then rise: it steps at the setting that keeps least among
+   the fast ones, then at the next one up (whatever its compiling step's
+   time said: the first run of new graphs is slower than the next), and goes
+   on up only while that one is as fast and holds less. Every step at a
+   setting that is not the plan is a step at another peak, so the search
+   takes as few as it can. Steps compare by their fastest timing (other work
+   on a machine slows a step, never speeds it), and a setting that keeps
+   less than the choice, left out on one step's time, is stepped once more.
+   Once settled, steps are no longer timed (the real-memory meter costs a
+   little).
 6. A step that runs compiled code is planned whole by the search: tensors
    saved by eager code in such a step are kept where they are (counted).
 7. Graphs that draw random numbers (dropout) run untouched: under a memory
-   budget below 1.0 the partitioner (inductor's and aot_eager's alike, torch
-   2.13, CPU) recomputes a random op in backward with other random values,
-   so the gradient no longer matches the forward (same loss, gradients
-   2e-3 apart on a two-block MLP with dropout 0.1). The graph compiled under
-   the default partitioner's pair says so (any node tagged
-   ``nondeterministic_seeded`` in its forward), before any other setting is
-   tried; the plan then asks the compiler for nothing, and says why. A pair
-   whose graphs were compiled before (by another profile) answers for them.
+   budget below 1.0 the partitioner (inductor's and aot_eager's alike)
+   recomputes a random op in backward with other random values, so the
+   gradient no longer matches the forward (same loss, other gradients). The
+   graph compiled under the default partitioner's pair says so (a node
+   tagged ``nondeterministic_seeded`` in its forward, but for attention and
+   dropout at a probability of 0, which draw nothing), before any other
+   setting is tried; the plan then asks the compiler for nothing, and says
+   why. A pair whose graphs were compiled before (by another profile)
+   answers for them.
+8. A CUDA graph's replay runs no Python, so ``tensorstash::saved`` and
+   ``tensorstash::reached`` would count nothing after the graph was recorded
+   (``mode="reduce-overhead"``): both are tagged ``cudagraph_unsafe``, and
+   inductor leaves them out of the CUDA graphs it records (it partitions the
+   graph around them, or records none for it). On the CPU inductor records
+   no CUDA graphs: that mode compiles as the default one does.
+9. With dynamic shapes a step may keep more than the steps before it: a
+   setting fits where the most any of its steps kept fits, and a plan whose
+   step kept more than the budget is searched again from what is known. A
+   plan that pushes nothing (what the graphs keep fits at 1.0) runs the
+   user's graphs untouched and measures nothing more: a larger step later is
+   not seen.
+10. On the CPU a step at a setting leases the session pool (NOTE [ Session
+    pool ] in memory/_pool.py) from its start to the end of its backward, as
+    ``Auto``'s planned eager steps do: what the partitioner recomputes is
+    freed and made again in backward, and glibc lands each new block on other
+    free pages, so the step's resident set grows by what it walks; the pool
+    serves those blocks from the ones waiting, and the step holds less at its
+    peak than the compiler alone does at the same setting, at its speed. The
+    cap is ``Auto``'s: a quarter of what the graphs keep at 1.0 (the
+    activation bytes the compiler would keep), at least ``POOL_LEAST``. A
+    step that pushes nothing has no backward end to close a lease at, and
+    runs the user's graphs untouched.
 """
 
 from __future__ import annotations
@@ -79,6 +115,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from tensorstash.core.stats import human_bytes
+from tensorstash.memory import _pool
 from tensorstash.memory._memory import meter
 
 SETTINGS: tuple[float, ...] = (1.0, 0.5, 0.25, 0.1, 0.0)
@@ -86,9 +123,11 @@ SETTINGS: tuple[float, ...] = (1.0, 0.5, 0.25, 0.1, 0.0)
 TIE = 0.15
 """Fitting settings whose step is within this share of the fastest one's are as fast,
 and the one with the lowest real peak among them is the plan (rule 5): each is timed
-over one step, and one step's time varies by about that much on a shared machine."""
+over a step or two, and a single step's time varies about that much."""
 EXPLORE = 2
 """Fitting settings tried below the largest that fits (rule 5)."""
+POOL_LEAST = 8 << 20
+"""The least cap of the session pool a step at a setting leases on the CPU (rule 10)."""
 
 _local = threading.local()
 
@@ -111,7 +150,12 @@ class _Count:
     random: bool = False
 
 
-@torch.library.custom_op("tensorstash::saved", mutates_args=())
+_OP_TAGS: dict[str, Any] = (
+    {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") else {}
+)  # rule 8
+
+
+@torch.library.custom_op("tensorstash::saved", mutates_args=(), **_OP_TAGS)
 def _saved(tensor: Tensor) -> Tensor:
     count = _count()
     nbytes = tensor.nbytes
@@ -127,11 +171,11 @@ def _saved_fake(tensor: Tensor) -> Tensor:
     return tensor.new_empty(0)
 
 
-@torch.library.custom_op("tensorstash::reached", mutates_args=())
+@torch.library.custom_op("tensorstash::reached", mutates_args=(), **_OP_TAGS)
 def _reached(token: Tensor) -> None:
     global _queued
     with _PENDING_LOCK:
-        if _queued or not _PENDING:
+        if _queued:
             return
         _queued = True
     torch.autograd.Variable._execution_engine.queue_callback(_backward_ended)
@@ -147,6 +191,7 @@ fx.node.has_side_effect(torch.ops.tensorstash.reached.default)
 _PENDING: list[CompiledStep] = []  # steps whose forward ended, waiting for their backward
 _PENDING_LOCK = threading.Lock()
 _queued = False
+_ENDED: list[float] = []  # when the last backward through compiled graphs ended, if any
 
 
 def _backward_ended() -> None:
@@ -155,10 +200,16 @@ def _backward_ended() -> None:
     now = time.perf_counter()
     with _PENDING_LOCK:
         _queued = False
+        _ENDED[:] = [now]
         steps = _PENDING[:]
         _PENDING.clear()
     for step in steps:
         step.finished(now)
+
+
+def _last_backward_end() -> float | None:
+    with _PENDING_LOCK:
+        return _ENDED[0] if _ENDED else None
 
 
 def _compiling() -> dict[str, Any] | None:
@@ -206,11 +257,25 @@ class _Handed:
 
 def _draws_random(graph: Any) -> bool:
     """Whether a compiled forward graph draws random numbers (rule 7)."""
-    seeded = torch.Tag.nondeterministic_seeded
-    return any(
-        node.op == "call_function" and seeded in getattr(node.target, "tags", ())
-        for node in getattr(graph, "nodes", ())
-    )
+    return any(_draws(node) for node in getattr(graph, "nodes", ()))
+
+
+def _draws(node: Any) -> bool:
+    """Whether a node draws random numbers: an op tagged ``nondeterministic_seeded``,
+    unless its dropout probability is 0 (attention, dropout)."""
+    target = node.target
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(
+        target, "tags", ()
+    ):
+        return False
+    name = getattr(target, "__name__", "")
+    schema = getattr(target, "_schema", None)
+    for index, argument in enumerate(() if schema is None else schema.arguments):
+        if argument.name == "dropout_p" or (argument.name == "p" and "dropout" in name):
+            given = index < len(node.args)
+            value = node.args[index] if given else node.kwargs.get(argument.name, 0.0)
+            return not (isinstance(value, int | float) and value == 0)
+    return True
 
 
 class _Pack(fx.GraphModule):
@@ -265,11 +330,30 @@ _PAIRS_LOCK = threading.Lock()
 def hooks_for(setting: float) -> CompilerHooks:
     """The process's pair for ``setting`` (rule 4: the same object every time)."""
     with _PAIRS_LOCK:
+        _keep_dynamo_out()
         pair = _PAIRS.get(setting)
         if pair is None:
             pair = _PAIRS[setting] = CompilerHooks(setting)
         _watch_compiles()
         return pair
+
+
+_dynamo_kept_out = False
+
+
+def _keep_dynamo_out() -> None:
+    """Rule 2: the pair's calls run with dynamo off. Autograd calls a saved-tensor hook
+    from the frame that saves the tensor; where that frame runs eagerly inside a compiled
+    function (past a graph break, or a frame dynamo skips), dynamo would trace the hook,
+    and the session's hooks it hands to, as user code. Done once, when dynamo is live."""
+    global _dynamo_kept_out
+    if _dynamo_kept_out:
+        return
+    import torch._dynamo
+
+    _Pack.__call__ = torch._dynamo.disable(_Pack.__call__)  # type: ignore[method-assign]
+    _Unpack.__call__ = torch._dynamo.disable(_Unpack.__call__)  # type: ignore[method-assign]
+    _dynamo_kept_out = True
 
 
 def _watch_compiles() -> None:
@@ -283,9 +367,40 @@ def _watch_compiles() -> None:
             pair.pack.random = False
 
 
+class _CompileClock:
+    """The seconds this process spent compiling (rule 5): dynamo's compile callbacks
+    bracket each compile, outermost only, the backward's lazy compile included.
+
+    Args:
+        clock: the clock read at each bracket (injected for tests).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._total = 0.0
+        self._since: float | None = None
+
+    def started(self) -> None:
+        self._since = self._clock()
+
+    def ended(self) -> None:
+        if self._since is not None:
+            self._total += self._clock() - self._since
+            self._since = None
+
+    def read(self) -> float:
+        """The seconds spent compiling so far, the compile under way included."""
+        since = self._since
+        return self._total + (0.0 if since is None else self._clock() - since)
+
+
+_CLOCK = _CompileClock()
+
+
 def _compile_starts(*_: Any) -> None:
     import torch._functorch.config as config
 
+    _CLOCK.started()
     top = torch._C._autograd._top_saved_tensors_default_hooks(True)
     saved: list[Any] = getattr(_local, "patches", None) or []
     _local.patches = saved
@@ -303,6 +418,7 @@ def _compile_ends(*_: Any) -> None:
         patch = saved.pop()
         if patch is not None:
             patch.__exit__(None, None, None)
+    _CLOCK.ended()
 
 
 def dynamo_live() -> bool:
@@ -320,6 +436,9 @@ class Trial:
             last step's; None until a step ran at it.
         seconds, peaks: each step not slowed by compiling: forward to the end
             of backward, and its real peak growth.
+        compiling_s: each step that compiled: forward to the end of backward,
+            less the time spent compiling (its real peak is the compiler's, so
+            none is taken).
         timable: its steps keep a tensor, whose unpack shows where backward ends.
     """
 
@@ -327,16 +446,24 @@ class Trial:
     kept_bytes: int | None = None
     seconds: list[float] = field(default_factory=list)
     peaks: list[int] = field(default_factory=list)
+    compiling_s: list[float] = field(default_factory=list)
     timable: bool = True
 
     @property
     def step_s(self) -> float | None:
+        """Its step, from the steps that did not compile (what a settled step costs)."""
         return statistics.median(self.seconds) if self.seconds else None
 
     @property
     def best_s(self) -> float | None:
-        """Its fastest step: what it costs where nothing else slowed it."""
-        return min(self.seconds) if self.seconds else None
+        """Its fastest step, those that compiled included: what it costs where nothing
+        else slowed it."""
+        timings = self.seconds + self.compiling_s
+        return min(timings) if timings else None
+
+    @property
+    def timings(self) -> int:
+        return len(self.seconds) + len(self.compiling_s)
 
     @property
     def peak_bytes(self) -> int | None:
@@ -396,7 +523,13 @@ class CompilerPlan:
         ]
         for trial in self.trials:
             kept = "-" if trial.kept_bytes is None else human_bytes(trial.kept_bytes)
-            step = "-" if trial.step_s is None else f"{trial.step_s:.3f} s"
+            step = (
+                f"{trial.step_s:.3f} s"
+                if trial.step_s is not None
+                else "-"
+                if trial.best_s is None
+                else f"~{trial.best_s:.3f} s"  # from the step that compiled it (rule 5)
+            )
             peak = "-" if trial.peak_bytes is None else human_bytes(trial.peak_bytes)
             lines.append(
                 f"  activation_memory_budget={trial.setting:<5} keeps {kept:>10}  "
@@ -421,6 +554,7 @@ class CompiledSearch:
         self.settled = False
         self.current: float | None = 1.0
         self.random = False  # rule 7: the graphs draw random numbers
+        self.device: torch.device | None = None  # where its steps ran
 
     def rebudget(self, budget: int) -> None:
         """The budget resolved to ``budget`` this step: choose again from the trials if
@@ -444,40 +578,56 @@ class CompiledSearch:
             return 1.0
         fits = self._fitting()
         if 1.0 in fits or self.random:  # rule 7: no other setting is safe with randomness
-            self.settled, self.choice = True, None
-            return None
+            return self._settle(None)
         for setting in self._to_compile(fits):
             if setting not in self.trials:
                 return setting
-        for setting in fits:  # a step not slowed by compiling, at each fitting setting
-            trial = self.trials[setting]
-            if trial.timable and not trial.seconds:
-                return setting
-        again = self._ruled_out_once(fits)
-        if again is not None:
-            return again
-        self._choose(fits)
-        return self.choice
+        return self._walk(fits)
 
-    def _ruled_out_once(self, fits: list[float]) -> float | None:
-        """A fitting setting with a lower real peak than the choice would have, left out
-        for its speed after one step: timed once more (one slow step may be noise)."""
-        timed = [self.trials[s] for s in fits if self.trials[s].best_s is not None]
-        if not timed:
-            return None
-        choice = self._best(timed)
-        lower = [
-            t
-            for t in timed
-            if len(t.seconds) < 2 and (t.peak_bytes or 0) < (choice.peak_bytes or 0)
-        ]
-        return lower[0].setting if lower else None
-
-    @staticmethod
-    def _best(timed: list[Trial]) -> Trial:
+    def _walk(self, fits: list[float]) -> float | None:
+        """Rule 5 once every setting worth it is compiled: the setting whose step the
+        choice still needs, or the choice (settled)."""
+        timed = sorted(
+            (self.trials[s] for s in fits if self.trials[s].timable),
+            key=lambda t: (t.kept_bytes or 0, t.setting),
+        )
+        if not timed:  # none fits, or no fitting step can be timed
+            return self._settle(self._least_kept(fits))
+        for trial in timed:
+            if trial.best_s is None:  # its compile step was not timed
+                return trial.setting
         fastest = min(t.best_s or 0.0 for t in timed)
-        close = [t for t in timed if (t.best_s or 0.0) <= fastest * (1 + TIE)]
-        return min(close, key=lambda t: (t.peak_bytes or 0, -t.setting))
+
+        def as_fast(trial: Trial) -> bool:
+            return (trial.best_s or 0.0) <= fastest * (1 + TIE)
+
+        at = next(i for i, trial in enumerate(timed) if as_fast(trial))
+        for trial in timed[:at]:
+            if trial.timings < 2:  # one slow step does not rule out what keeps less
+                return trial.setting
+        candidate = timed[at]
+        for above in [*timed[at + 1 :], None]:
+            if not candidate.peaks:
+                return candidate.setting
+            if above is None:
+                break
+            if not above.seconds:  # its real peak, and a time taken as the candidate's was
+                return above.setting
+            if not as_fast(above) or (above.peak_bytes or 0) >= (candidate.peak_bytes or 0):
+                break
+            candidate = above  # keeping more, it held less at its peak: go on up
+        return self._settle(candidate.setting)
+
+    def _settle(self, choice: float | None) -> float | None:
+        self.settled, self.choice = True, choice
+        return choice
+
+    def _least_kept(self, fits: list[float]) -> float | None:
+        known = [t for t in self.trials.values() if t.kept_bytes is not None]
+        fitting = [t for t in known if t.setting in fits] or known
+        if not fitting:
+            return None
+        return max(fitting, key=lambda t: (-(t.kept_bytes or 0), t.setting)).setting
 
     def _fitting(self) -> list[float]:
         return [
@@ -494,26 +644,27 @@ class CompiledSearch:
         first = order.index(max(fits))
         return order[: first + 1 + EXPLORE]
 
-    def _choose(self, fits: list[float]) -> None:
-        self.settled = True
-        timed = [self.trials[s] for s in fits if self.trials[s].best_s is not None]
-        if not timed:  # none timed (or none fits): the least the compiler keeps
-            known = [t for t in self.trials.values() if t.kept_bytes is not None]
-            fitting = [t for t in known if t.setting in fits] or known
-            self.choice = (
-                max(fitting, key=lambda t: (-(t.kept_bytes or 0), t.setting)).setting
-                if fitting
-                else None
-            )
-            return
-        self.choice = self._best(timed).setting
-
     def measured(self, setting: float, kept: int, tensors: int) -> None:
         """A step at ``setting`` kept ``kept`` bytes in ``tensors`` tensors (none: its
-        backward's end cannot be seen, so it is never timed)."""
+        backward's end cannot be seen, so it is never timed). A setting keeps the most
+        any of its steps kept (rule 9): a plan that a larger step outgrows is made again."""
         trial = self.trials.setdefault(setting, Trial(setting))
-        trial.kept_bytes = kept
+        trial.kept_bytes = kept if trial.kept_bytes is None else max(trial.kept_bytes, kept)
         trial.timable = tensors > 0
+        if self.settled and self.choice == setting and trial.kept_bytes > self.budget:
+            self.settled = False
+
+    def timed(self, setting: float, seconds: float, peak: int, *, compiled: bool) -> None:
+        """A step at ``setting`` took ``seconds`` (less its compiling) and grew real
+        memory by ``peak``; a step that ``compiled`` gives its time only."""
+        trial = self.trials.get(setting)
+        if trial is None:
+            return
+        if compiled:
+            trial.compiling_s.append(seconds)
+        else:
+            trial.seconds.append(seconds)
+            trial.peaks.append(peak)
 
     def plan(self) -> CompilerPlan:
         """The plan of the step about to run (after :meth:`setting_for_step`)."""
@@ -570,9 +721,13 @@ class CompiledStep:
             device once the step has run (the first step: the budget depends on it).
         setting: the setting of the pair pushed.
         min_bytes: the session's floor (rule 3).
-        device: where the step runs, for its real peak (None: not known yet).
+        device: where the step runs, for its real peak (None: not known yet, or
+            not measured).
         known: the profile's steps ran compiled code before (a step that keeps
             nothing still ran it).
+        pool: the cap of the session pool a step on the CPU leases (rule 10): "auto"
+            for a quarter of what the graphs keep at 1.0 (at least ``POOL_LEAST``),
+            bytes, or None for no lease (``Auto``'s ``trim_every``).
     """
 
     def __init__(
@@ -583,10 +738,12 @@ class CompiledStep:
         device: torch.device | None,
         *,
         known: bool = False,
+        pool: int | str | None = "auto",
     ) -> None:
         self.search = search
         self.setting = setting
         self.known = known
+        self.lease = _lease(search, pool) if known else None
         self.pair = hooks_for(setting)
         count = _count()
         count.bytes = count.tensors = 0
@@ -594,6 +751,10 @@ class CompiledStep:
         count.min_bytes = min_bytes
         self.count = count
         self.graphs = _graphs()
+        self.compiled = False  # a graph compiled in the step (rule 5)
+        self.timing = device is not None
+        self.compiling_s = _CLOCK.read()
+        self.backward_before = _last_backward_end()
         self.start = time.perf_counter()
         self.meter = meter(device, sync=False) if device is not None else None
         if self.meter is not None:
@@ -606,7 +767,7 @@ class CompiledStep:
             The search, or None where no compiled graph ran in the step.
         """
         count = self.count
-        compiled_now = _graphs() != self.graphs
+        self.compiled = _graphs() != self.graphs
         if count.tensors == 0 and not self.known:  # no graph of AOTAutograd's kept a tensor
             self._stop()
             return None
@@ -614,30 +775,60 @@ class CompiledStep:
         if not isinstance(search, CompiledSearch):
             search = self.search = search(count.device or torch.device("cpu"))
         search.random = search.random or count.random
+        search.device = count.device or search.device
         search.measured(self.setting, count.bytes, count.tensors)
-        if compiled_now or self.meter is None or not count.tensors:
-            self._stop()  # compiling is not stepping (rule 5)
-        else:
-            with _PENDING_LOCK:
-                _PENDING.append(self)
+        if self.compiled:
+            self._stop()  # what compiling holds is not the step's peak (rule 5)
+        if not count.tensors or not (self.timing or self.lease is not None):
+            self._stop()
+            self._release()
+            return search
+        with _PENDING_LOCK:
+            ended = _ENDED[0] if _ENDED and _ENDED[0] != self.backward_before else None
+            if ended is None:
+                _PENDING.append(self)  # until its backward ends
+        if ended is not None:  # the backward ran inside the session, before it closed
+            self.finished(ended)
         return search
 
     def finished(self, ended: float) -> None:
-        """Its backward ended at ``ended``: the step's time and real peak."""
+        """Its backward ended at ``ended``: the step's time, less what compiling took
+        (a lazy backward compile included), and its real peak (rule 5)."""
         peak = self._stop()
+        self._release()
         search = self.search
-        if peak is None or not isinstance(search, CompiledSearch):
+        if not isinstance(search, CompiledSearch) or not self.timing:
             return
-        trial = search.trials.get(self.setting)
-        if trial is not None:
-            trial.seconds.append(ended - self.start)
-            trial.peaks.append(peak)
+        compiling = _CLOCK.read() - self.compiling_s
+        compiled = self.compiled or compiling > 0
+        if compiled or peak is not None:
+            search.timed(self.setting, ended - self.start - compiling, peak or 0, compiled=compiled)
 
     def _stop(self) -> int | None:
         if self.meter is None:
             return None
         measuring, self.meter = self.meter, None
         return measuring.stop()
+
+    def _release(self) -> None:
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.close()
+
+
+def _lease(
+    search: CompiledSearch | Callable[[torch.device], CompiledSearch], pool: int | str | None
+) -> _pool.Lease | None:
+    """Rule 10: the session pool's lease of a step at a setting on the CPU, or None."""
+    if pool is None or _pool.compiled is None or not isinstance(search, CompiledSearch):
+        return None
+    if search.device is None or search.device.type != "cpu":
+        return None
+    if pool == "auto":
+        whole = search.trials.get(1.0)
+        kept = 0 if whole is None or whole.kept_bytes is None else whole.kept_bytes
+        pool = max(POOL_LEAST, kept // 4)
+    return _pool.lease(int(pool))
 
 
 def _graphs() -> int:
