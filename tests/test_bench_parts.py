@@ -8,6 +8,7 @@ import mmap
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +80,11 @@ def test_pareto_front_keeps_what_nothing_beats() -> None:
         _row("auto", 1.2, 70),
         _row("worse", 1.2, 80),  # as fast as auto, larger: beaten
         bench.Row.skip("trl", "float32", "not here"),
+        replace(_row("wrong", 1.0, 10), grads_equal=False, grads_close=False),  # left out
+        replace(_row("close", 1.25, 65), grads_equal=False, grads_close=True),
     ]
-    assert [row.policy for row in bench.pareto_front(rows)] == ["none", "checkpoint", "auto"]
+    front = [row.policy for row in bench.pareto_front(rows)]
+    assert front == ["none", "checkpoint", "auto", "close"]
 
 
 def test_pareto_front_compares_steps_by_their_same_round_ratios() -> None:
@@ -153,6 +157,8 @@ def test_skip_reason_names_cuda_then_the_install() -> None:
     cpu = torch.device("cpu")
     assert bench.skip_reason("lz4", cpu) is None
     assert bench.skip_reason("torchtune", cpu) == "needs CUDA streams (a GPU run)"
+    assert bench.skip_reason("recompute", cpu) is None
+    assert "compile:<b>" in (bench.skip_reason("recompute", cpu, compiled=True) or "")
 
 
 # -- the real memory meters ----------------------------------------------------------------

@@ -6,6 +6,7 @@ inductor compile is paid once per backend.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -312,6 +313,75 @@ def test_auto_leaves_compiled_graphs_that_draw_random_numbers_untouched(
     assert plan.random and plan.setting is None and plan.settled
     assert [t.setting for t in plan.trials] == [1.0]  # no other setting was compiled
     assert "draw random numbers" in plan.table()
+
+
+def test_auto_sees_the_draws_of_graphs_from_the_compile_cache(
+    fresh_dynamo: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """Rule 7: graphs that inductor finds in its caches (AOTAutograd's, the FX graph
+    cache) are not compiled again, so nothing at compile time sees their dropout; the
+    forward that runs tells. A second profile, after a reset, must still run them untouched."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(inductor_config.patch(fx_graph_cache=True))
+        stack.enter_context(functorch_config.patch(enable_autograd_cache=True))
+        stack.callback(
+            torch.use_deterministic_algorithms, torch.are_deterministic_algorithms_enabled()
+        )
+        torch.use_deterministic_algorithms(True)
+        model = _model()  # training: dropout draws random numbers
+        fn = _compiled_fn(model, "inductor")
+        _, reference = _train(model, fn, None, 1, None)
+        _train(model, fn, ts.Auto(device_budget=64 << 10), 1, ts.Profile())  # fills the cache
+        torch._dynamo.reset()
+        fn = _compiled_fn(model, "inductor")
+        sessions, grads = _train(model, fn, ts.Auto(device_budget=64 << 10), 3, ts.Profile())
+    for got in grads:
+        assert all(torch.equal(a, b) for a, b in zip(got, reference[0], strict=True))
+    plan = sessions[-1].plan
+    assert plan.random and plan.setting is None and plan.settled
+
+
+class _Embedded(nn.Module):
+    """Tokens through an embedding and two blocks, to a loss: one compiled forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(100, 64)
+        self.blocks = nn.ModuleList([Block(), Block()])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_session_hooks_are_not_traced_by_dynamo_in_recompute_regions(fresh_dynamo: Any) -> None:
+    """Rule 12 of NOTE [ Session ]: recompute regions inside a compiled model push hooks
+    that dynamo traces; the session's own hooks, pushed around the compiled model, must
+    run with dynamo off, or dynamo traces them with fake tensors and fails."""
+    model = _Embedded().eval()
+    compiled = torch.compile(model, backend="aot_eager")
+    tokens = torch.randint(0, 100, (8, 128), generator=torch.Generator().manual_seed(3))
+    compiled(tokens).backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    profile = ts.Profile()
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        names = ts.recompute_modules(model, Block)
+        try:
+            with ts.stash("auto", profile=profile):
+                compiled(tokens).backward()
+        finally:
+            for name in names:
+                ts.unrecompute(model.get_submodule(name))
+        grads = [p.grad for p in model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(grads, reference, strict=True))
 
 
 # -- torch.compile's own options: fullgraph, mode, dynamic shapes --

@@ -239,12 +239,23 @@ def test_a_step_at_a_setting_on_the_cpu_leases_the_session_pool_until_backward_e
     ],
     ids=["attention", "attention-dropout", "dropout", "rand", "tanh"],
 )
-def test_random_graphs_are_those_that_draw(fn: object, random: bool) -> None:
+def test_random_steps_are_those_that_draw(fn: object, random: bool) -> None:
     """Rule 7: attention at dropout 0 is tagged as seeded, yet draws nothing."""
-    from torch.fx.experimental.proxy_tensor import make_fx
+    q = torch.randn(1, 2, 4, 8)
+    before = compiler._generators()
+    fn(q)  # type: ignore[operator]
+    assert compiler._drew(before, compiler._generators()) is random
 
-    graph = make_fx(fn)(torch.randn(1, 2, 4, 8)).graph  # type: ignore[arg-type]
-    assert compiler._draws_random(graph) is random
+
+def test_a_plan_made_before_the_model_drew_is_made_again() -> None:
+    """Rule 7: a search settled at a smaller setting (the model in eval mode) whose step
+    then draws (back in training) runs untouched from then on."""
+    search = CompiledSearch(10 * MIB)
+    for setting in (1.0, 0.5):
+        search.measured(setting, KEPT[setting], 5)
+    search._settle(0.5)
+    search.drew()
+    assert search.random and search.setting_for_step() is None and search.settled
 
 
 def test_a_step_whose_backward_ran_inside_its_session_ends_when_it_closes() -> None:

@@ -24,6 +24,12 @@
    step; its time beyond the variant's median timed step is counted as
    compile time, apart from step time, and the graphs each variant compiled
    are counted, those in timed steps (a recompile loop) apart.
+6. "recompute" is skipped (its row says why): its regions wrap the model's
+   blocks with module hooks each step, which the compiled graphs run inside,
+   and wrapping and unwrapping them changes the code dynamo guards on, so
+   the variants after it ran other graphs. The ``compile:<b>`` peers are
+   what recomputes compiled code; "checkpoint" is the user's own
+   checkpointing, which dynamo traces.
 """
 
 from __future__ import annotations

@@ -98,8 +98,8 @@ def _notes(rows: Sequence[Row]) -> list[str]:
     if front:
         names = ", ".join(row.policy for row in front)
         lines.append(
-            "Pareto front (no variant has both a lower real peak and a faster step, by "
-            f"same-round ratio to none): {names}"
+            "Pareto front (no variant with right gradients has both a lower real peak and "
+            f"a faster step, by same-round ratio to none): {names}"
         )
     budgets = [row for row in rows if row.budget_bytes is not None]
     if budgets:

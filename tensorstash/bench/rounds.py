@@ -140,7 +140,7 @@ def planned_steps(
     """How many steps :func:`run_bench` runs: reference, warm-up, timed and extra rounds,
     and up to ``LEARNING_ROUNDS`` rounds more while a planner learns (rule 3)."""
     requested = [*policies, *(COMPILE_PEERS if compile else ())]
-    names = _runnable(resolve_policies(requested), torch.device(device))
+    names = _runnable(resolve_policies(requested), torch.device(device), compiled=compile)
     extra = int(timeline) + int(memory_snapshot)
     twin_count = sum(len(group) - 1 for group in _groups(names, twins=twins))
     return 2 + len(names) * (warmup + steps + extra) + twin_count * (warmup + steps)
@@ -154,8 +154,8 @@ def _learning(warm: dict[str, list[StepResult]]) -> bool:
     )
 
 
-def _runnable(names: list[str], device: torch.device) -> list[str]:
-    return [name for name in names if skip_reason(name, device) is None]
+def _runnable(names: list[str], device: torch.device, *, compiled: bool = False) -> list[str]:
+    return [name for name in names if skip_reason(name, device, compiled=compiled) is None]
 
 
 def _groups(names: Sequence[str], *, twins: bool) -> list[list[str]]:
@@ -323,7 +323,7 @@ class _Rounds:
     ) -> None:
         self.runner = runner
         self.names = names
-        self.runnable = _runnable(names, runner.device)
+        self.runnable = _runnable(names, runner.device, compiled=runner.forwards.compile)
         self.groups = _groups(self.runnable, twins=twins)
         self.steps = steps
         self.warmup = warmup
@@ -386,7 +386,9 @@ class _Rounds:
         timed: dict[str, list[StepResult]],
         trace: StepResult | None,
     ) -> Row:
-        why = skip_reason(name, self.runner.device) or self.failed.get(name)
+        why = skip_reason(
+            name, self.runner.device, compiled=self.runner.forwards.compile
+        ) or self.failed.get(name)
         if why is not None:
             return Row.skip(name, self.dtype, why)
         activations = self.runner.activation_bytes

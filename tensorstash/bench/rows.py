@@ -275,7 +275,8 @@ def _int_or_none(value: float | None) -> int | None:
 
 
 def pareto_front(rows: Sequence[Row]) -> list[Row]:
-    """The rows no other row beats on both real peak and step time (skipped rows aside).
+    """The rows no other row beats on both real peak and step time (skipped rows aside,
+    and rows whose gradients are wrong: neither equal nor close to the reference's).
 
     A row is dominated when another has a real peak at or below its own and a
     step time at or below its own, one of the two strictly below. Step times
@@ -284,7 +285,11 @@ def pareto_front(rows: Sequence[Row]) -> list[Row]:
     themselves, taken in different rounds, can rank two variants the other way
     round (docs/figures/planning.md).
     """
-    measured = [(row, row.real_peak_bytes) for row in rows if row.skipped is None]
+    measured = [
+        (row, row.real_peak_bytes)
+        for row in rows
+        if row.skipped is None and (row.grads_equal is not False or row.grads_close)
+    ]
     points = [(row, peak, row.overhead) for row, peak in measured if peak is not None]
 
     def beaten(peak: int, step_s: float) -> bool:

@@ -163,8 +163,14 @@ def resolve_policies(names: Sequence[str]) -> list[str]:
     return resolved
 
 
-def skip_reason(name: str, device: torch.device) -> str | None:
-    """Why an optional peer cannot run here (None: it runs; every other variant runs)."""
+def skip_reason(name: str, device: torch.device, *, compiled: bool = False) -> str | None:
+    """Why a variant cannot run here (None: it runs): an optional peer without CUDA or its
+    library, or "recompute" on a compiled model."""
+    if name == "recompute" and compiled:
+        return (
+            "its regions wrap the model's blocks, which the compiled graphs run inside; "
+            "the compile:<b> rows recompute compiled code"
+        )
     if name not in OPTIONAL_PEERS:
         return None
     if device.type != "cuda":

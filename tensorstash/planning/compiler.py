@@ -67,13 +67,15 @@
 7. Graphs that draw random numbers (dropout) run untouched: under a memory
    budget below 1.0 the partitioner (inductor's and aot_eager's alike)
    recomputes a random op in backward with other random values, so the
-   gradient no longer matches the forward (same loss, other gradients). The
-   graph compiled under the default partitioner's pair says so (a node
-   tagged ``nondeterministic_seeded`` in its forward, but for attention and
-   dropout at a probability of 0, which draw nothing), before any other
-   setting is tried; the plan then asks the compiler for nothing, and says
-   why. A pair whose graphs were compiled before (by another profile)
-   answers for them.
+   gradient no longer matches the forward (same loss, other gradients). A
+   step's forward says so where it moves a default generator (the CPU's
+   state, or a CUDA device's offset): the first step runs at the default
+   partitioner, before any other setting is tried, and the plan then asks the
+   compiler for nothing, and says why. The forward that runs tells, not the
+   graph compiled: graphs found in the compile cache are not compiled again,
+   so nothing at compile time would see them; attention and dropout at a
+   probability of 0 draw nothing, and eager code that draws in the forward
+   counts too (what it draws the compiled graphs may use).
 8. A CUDA graph's replay runs no Python, so ``tensorstash::saved`` and
    ``tensorstash::reached`` would count nothing after the graph was recorded
    (``mode="reduce-overhead"``): both are tagged ``cudagraph_unsafe``, and
@@ -147,7 +149,6 @@ class _Count:
     tensors: int = 0
     min_bytes: int = 0
     device: torch.device | None = None
-    random: bool = False
 
 
 _OP_TAGS: dict[str, Any] = (
@@ -255,40 +256,33 @@ class _Handed:
         self.value = value
 
 
-def _draws_random(graph: Any) -> bool:
-    """Whether a compiled forward graph draws random numbers (rule 7)."""
-    return any(_draws(node) for node in getattr(graph, "nodes", ()))
+def _generators() -> tuple[Any, ...]:
+    """Where the default generators stand (rule 7): the CPU's state, and each CUDA
+    device's offset where CUDA is initialized."""
+    marks: list[Any] = [torch.default_generator.get_state()]
+    if torch.cuda.is_initialized():
+        marks += [generator.get_offset() for generator in torch.cuda.default_generators]
+    return tuple(marks)
 
 
-def _draws(node: Any) -> bool:
-    """Whether a node draws random numbers: an op tagged ``nondeterministic_seeded``,
-    unless its dropout probability is 0 (attention, dropout)."""
-    target = node.target
-    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(
-        target, "tags", ()
-    ):
-        return False
-    name = getattr(target, "__name__", "")
-    schema = getattr(target, "_schema", None)
-    for index, argument in enumerate(() if schema is None else schema.arguments):
-        if argument.name == "dropout_p" or (argument.name == "p" and "dropout" in name):
-            given = index < len(node.args)
-            value = node.args[index] if given else node.kwargs.get(argument.name, 0.0)
-            return not (isinstance(value, int | float) and value == 0)
-    return True
+def _drew(before: tuple[Any, ...], after: tuple[Any, ...]) -> bool:
+    """Whether a default generator moved between two readings of :func:`_generators`."""
+    if len(before) != len(after):
+        return True
+    return any(
+        not torch.equal(a, b) if isinstance(a, Tensor) else a != b
+        for a, b in zip(before, after, strict=True)
+    )
 
 
 class _Pack(fx.GraphModule):
     def __init__(self, setting: float) -> None:
         super().__init__(nn.Module(), _pack_graph())
         self.setting = setting
-        self.random = False  # a graph compiled under it draws random numbers (rule 7)
 
     def __call__(self, tensor: Tensor) -> Any:
         context = _compiling()
         if context is not None:
-            if _draws_random(context.get("_fw_graph")):
-                self.random = _count().random = True
             return super().__call__(tensor)  # traced, then inlined (rule 2)
         hooks = getattr(_local, "handing", None)
         if not hooks:
@@ -363,8 +357,6 @@ def _watch_compiles() -> None:
     if _compile_starts not in getattr(handler, "start_callbacks", ()):
         handler.register_start_callback(_compile_starts)
         handler.register_end_callback(_compile_ends)
-        for pair in _PAIRS.values():  # a reset dropped every graph: none is known yet
-            pair.pack.random = False
 
 
 class _CompileClock:
@@ -566,6 +558,14 @@ class CompiledSearch:
         if self.settled and self._fitting() != before:
             self.settled = False
 
+    def drew(self) -> None:
+        """A step's forward drew random numbers (rule 7): from now on the compiler is
+        asked for nothing, also where the plan was made before the model drew (in eval
+        mode, say)."""
+        self.random = True
+        if self.settled and self.choice is not None:
+            self.settled = False
+
     def setting_for_step(self) -> float | None:
         """The setting the next step runs at (None: push nothing)."""
         self.current = self._next()
@@ -747,7 +747,7 @@ class CompiledStep:
         self.pair = hooks_for(setting)
         count = _count()
         count.bytes = count.tensors = 0
-        count.random = self.pair.pack.random  # graphs compiled before, under this pair
+        self.generators = _generators()  # rule 7
         count.min_bytes = min_bytes
         self.count = count
         self.graphs = _graphs()
@@ -767,6 +767,7 @@ class CompiledStep:
             The search, or None where no compiled graph ran in the step.
         """
         count = self.count
+        drew = _drew(self.generators, _generators())
         self.compiled = _graphs() != self.graphs
         if count.tensors == 0 and not self.known:  # no graph of AOTAutograd's kept a tensor
             self._stop()
@@ -774,7 +775,8 @@ class CompiledStep:
         search = self.search
         if not isinstance(search, CompiledSearch):
             search = self.search = search(count.device or torch.device("cpu"))
-        search.random = search.random or count.random
+        if drew:
+            search.drew()
         search.device = count.device or search.device
         search.measured(self.setting, count.bytes, count.tensors)
         if self.compiled:
