@@ -9,7 +9,9 @@ within one round (the machine's speed drifts between rounds, not within one).
   backward, against the same step without a stash), against raw I/O of the
   same bytes in the same directory (``os.write`` of the whole buffer to a new
   file, ``os.readv`` back into a reused buffer, unlink). Prints raw / added:
-  1.0 is raw speed.
+  1.0 is raw speed. ``--reads mapped,copied`` runs both ways of reading a
+  value back (rule 4 of NOTE [ Spill files ]) as variants of the same rounds:
+  ``copied`` reads every value into a buffer, as values under 1 MiB are.
 - ``memory``: a training step of the bench's ``small`` model and of an HF
   GPT-2 config (4 layers, d=256, batch 4x128; needs transformers) with no
   stash and with ``disk`` (and any other policy named): the step time against
@@ -24,6 +26,7 @@ resident: ``benchmarks/training_loop.py`` measures that.
 
 Run: python benchmarks/disk_spill.py [throughput|memory|all] [--rounds 8]
      [--directory DIR] [--models small,gpt2] [--policies disk,lz4+disk]
+     [--reads mapped,copied]
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import torch
 
 import tensorstash as ts
 from tensorstash.bench import HF_GPT2, PeakRss, builtin_workload, return_free_memory
+from tensorstash.tiers import _spillfile
 
 MiB = 1 << 20
 KINDS = {
@@ -66,12 +70,18 @@ def _plain(x: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def _spilled(x: torch.Tensor, root: Path) -> float:
-    start = time.perf_counter()
-    with ts.stash(ts.DiskSpill(directory=root), min_bytes=0):
-        y = (x * 1.0).sin()  # saves the non-leaf x * 1.0
-    y.sum().backward()
-    return time.perf_counter() - start
+def _spilled(x: torch.Tensor, root: Path, reads: str = "mapped") -> float:
+    mapped_from = _spillfile.MAP_FROM
+    if reads == "copied":
+        _spillfile.MAP_FROM = 1 << 62  # every value read into a buffer
+    try:
+        start = time.perf_counter()
+        with ts.stash(ts.DiskSpill(directory=root), min_bytes=0):
+            y = (x * 1.0).sin()  # saves the non-leaf x * 1.0
+        y.sum().backward()
+        return time.perf_counter() - start
+    finally:
+        _spillfile.MAP_FROM = mapped_from
 
 
 def _raw(data: bytes, buffer: bytearray, root: Path) -> float:
@@ -91,8 +101,9 @@ def _raw(data: bytes, buffer: bytearray, root: Path) -> float:
     return time.perf_counter() - start
 
 
-def throughput(root: Path, rounds: int) -> dict[str, float]:
-    """Raw file I/O time over the time DiskSpill adds, per kind of data (median of rounds).
+def throughput(root: Path, rounds: int, reads: tuple[str, ...] = ("mapped",)) -> dict[str, float]:
+    """Raw file I/O time over the time DiskSpill adds, per kind of data and way of
+    reading back (median of rounds).
 
     The kinds take turns within each round, first one then the other: run one
     after the other, whichever ran second saw raw I/O about 25% faster (the page
@@ -105,25 +116,29 @@ def throughput(root: Path, rounds: int) -> dict[str, float]:
         inputs[kind] = (x, os.urandom(nbytes), bytearray(nbytes))
     for _ in range(2):  # warm up all three, for every kind
         for x, data, buffer in inputs.values():
-            _plain(x), _spilled(x, root), _raw(data, buffer, root)
-    ratios: dict[str, list[float]] = {kind: [] for kind in inputs}
-    added: dict[str, list[float]] = {kind: [] for kind in inputs}
-    raw: dict[str, list[float]] = {kind: [] for kind in inputs}
+            _plain(x), _raw(data, buffer, root)
+            for way in reads:
+                _spilled(x, root, way)
+    keys = [(kind, way) for kind in inputs for way in reads]
+    ratios: dict[tuple[str, str], list[float]] = {key: [] for key in keys}
+    added: dict[tuple[str, str], list[float]] = {key: [] for key in keys}
+    raw: dict[tuple[str, str], list[float]] = {key: [] for key in keys}
     for index in range(rounds):
-        kinds = list(inputs) if index % 2 == 0 else list(reversed(inputs))
-        for kind in kinds:
+        order = keys if index % 2 == 0 else list(reversed(keys))
+        for kind, way in order:
             x, data, buffer = inputs[kind]
-            p, s, r = _plain(x), _spilled(x, root), _raw(data, buffer, root)
-            ratios[kind].append(r / max(s - p, 1e-6))
-            added[kind].append(s - p)
-            raw[kind].append(r)
+            p, s, r = _plain(x), _spilled(x, root, way), _raw(data, buffer, root)
+            ratios[kind, way].append(r / max(s - p, 1e-6))
+            added[kind, way].append(s - p)
+            raw[kind, way].append(r)
     results: dict[str, float] = {}
-    for kind in inputs:
-        results[kind] = statistics.median(ratios[kind])
+    for kind, way in keys:
+        name = kind if reads == ("mapped",) else f"{kind}, {way}"
+        results[name] = statistics.median(ratios[kind, way])
         print(
-            f"{kind:12s} 16 MiB: raw / added {results[kind]:.2f}  (added "
-            f"{statistics.median(added[kind]) * 1e3:.1f} ms, raw "
-            f"{statistics.median(raw[kind]) * 1e3:.1f} ms, {rounds} rounds)"
+            f"{name:20s} 16 MiB: raw / added {results[name]:.2f}  (added "
+            f"{statistics.median(added[kind, way]) * 1e3:.1f} ms, raw "
+            f"{statistics.median(raw[kind, way]) * 1e3:.1f} ms, {rounds} rounds)"
         )
     return results
 
@@ -192,13 +207,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--directory", default=None, help="parent of the spill directory")
     parser.add_argument("--models", default="small,gpt2")
     parser.add_argument("--policies", default="disk")
+    parser.add_argument(
+        "--reads", default="mapped", help="ways to read values back: mapped, copied or both"
+    )
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     with tempfile.TemporaryDirectory(prefix="ts-disk-bench-", dir=args.directory) as name:
         root = Path(name)
         if args.what in ("throughput", "all"):
-            throughput(root, args.rounds)
+            reads = tuple(args.reads.split(","))
+            if not set(reads) <= {"mapped", "copied"}:
+                parser.error(f"--reads takes mapped and copied; got {args.reads!r}")
+            throughput(root, args.rounds, reads)
         if args.what in ("memory", "all"):
             memory(root, args.rounds, args.models.split(","), args.policies.split(","))
 

@@ -384,6 +384,15 @@ def spill_descriptors(directories: Sequence[Path]) -> list[str]:
     return sorted(found)
 
 
+def spill_mappings(directories: Sequence[Path]) -> list[str]:
+    """This process's mappings of files below ``directories`` (``/proc/self/maps``):
+    a mapped spill file lives on after its descriptors are closed."""
+    roots = [str(Path(d).resolve()) + os.sep for d in directories]
+    with open("/proc/self/maps") as maps:
+        lines = maps.read().splitlines()
+    return sorted({line for line in lines if any(root in line for root in roots)})
+
+
 def poll(condition: Callable[[], bool], timeout: float) -> bool:
     """Whether ``condition()`` turns true within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
@@ -398,7 +407,7 @@ def poll(condition: Callable[[], bool], timeout: float) -> bool:
 def leak_check(*sessions: Any, directories: Sequence[Path] = (), timeout: float = 2.0) -> None:
     """After ``gc.collect()``: no saved-tensor hooks pushed, no live bytes in any
     session, no ``tensorstash-*`` thread, and no file under ``directories``,
-    named or open.
+    named, open or mapped.
 
     Threads stop and files go away asynchronously, so those are polled for up
     to ``timeout`` seconds.
@@ -417,4 +426,7 @@ def leak_check(*sessions: Any, directories: Sequence[Path] = (), timeout: float 
     )
     assert poll(lambda: not spill_descriptors(directories), timeout), (
         f"spill files left open: {spill_descriptors(directories)}"
+    )
+    assert poll(lambda: not spill_mappings(directories), timeout), (
+        f"spill files left mapped: {spill_mappings(directories)}"
     )

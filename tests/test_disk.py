@@ -14,12 +14,12 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
 import xxhash
-from checks import poll, spill_descriptors
+from checks import leak_check, poll, spill_descriptors, spill_mappings
 
 import tensorstash as ts
 from tensorstash.core.policy import Context
@@ -38,8 +38,13 @@ def spill_file(parent: Path) -> Path:
     return Path(found)
 
 
-def spilled_step(parent: Path) -> tuple[torch.Tensor, torch.Tensor, ts.Session]:
-    x = torch.randn(256, 256, requires_grad=True)
+SMALL, MAPPED = (256, 256), (1024, 512)  # read into a buffer; a mapped extent (rule 4)
+
+
+def spilled_step(
+    parent: Path, shape: tuple[int, int] = SMALL
+) -> tuple[torch.Tensor, torch.Tensor, ts.Session]:
+    x = torch.randn(*shape, requires_grad=True)
     with ts.stash(ts.DiskSpill(parent), min_bytes=0) as session:
         y = (x * 2).sin()
     return x, y, session
@@ -161,24 +166,90 @@ def test_disk_spill_refuses_an_unwritable_directory(tmp_path: Path) -> None:
         tmp_path.chmod(0o700)
 
 
-def test_disk_spill_names_a_corrupted_file_at_unpack(tmp_path: Path) -> None:
-    _x, y, _session = spilled_step(tmp_path)
+@pytest.mark.parametrize("shape", [SMALL, MAPPED])
+def test_disk_spill_names_a_corrupted_file_at_unpack(
+    tmp_path: Path, shape: tuple[int, int]
+) -> None:
+    _x, y, _session = spilled_step(tmp_path, shape)
     y.sum().backward(retain_graph=True)  # the file is written and read once
     file = spill_file(tmp_path)
     data = bytearray(file.read_bytes())
-    data[100] ^= 0xFF
+    data[-100] ^= 0xFF
     file.write_bytes(bytes(data))
-    with pytest.raises(ts.SpillError, match=r"corrupted.*\[256, 256\]|\[256, 256\].*corrupted"):
+    name = rf"\[{shape[0]}, {shape[1]}\]"
+    with pytest.raises(ts.SpillError, match=rf"corrupted.*{name}|{name}.*corrupted"):
         y.sum().backward()
 
 
-def test_disk_spill_names_a_truncated_file_at_unpack(tmp_path: Path) -> None:
-    _x, y, _session = spilled_step(tmp_path)
+@pytest.mark.parametrize("shape", [SMALL, MAPPED])
+def test_disk_spill_names_a_truncated_file_at_unpack(
+    tmp_path: Path, shape: tuple[int, int]
+) -> None:
+    _x, y, _session = spilled_step(tmp_path, shape)
     y.sum().backward(retain_graph=True)
     file = spill_file(tmp_path)
     file.write_bytes(file.read_bytes()[:1000])
-    with pytest.raises(ts.SpillError, match="truncated: read 1000 of 262144 bytes"):
+    size = shape[0] * shape[1] * 4
+    with pytest.raises(ts.SpillError, match=f"truncated: read 1000 of {size} bytes"):
         y.sum().backward()
+
+
+class _Kept(torch.autograd.Function):
+    """``x.sin()`` whose backward keeps the tensor it unpacked, as user code may."""
+
+    kept: ClassVar[list[torch.Tensor]] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.sin()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        _Kept.kept.append(x)
+        return grad * x.cos()
+
+
+@pytest.mark.skipif(_spillfile._POPULATE_READ is None, reason="values are read, not mapped")
+def test_disk_spill_maps_a_large_value_and_holds_its_extent_while_the_tensor_lives(
+    tmp_path: Path,
+) -> None:
+    """Rule 4: a value read back by mapping its extent shows its own bytes for as long
+    as its tensor lives, however many values the session writes after it, and leaves
+    nothing mapped once it dies."""
+    first = torch.randn(*MAPPED, requires_grad=True)
+    with ts.stash(ts.DiskSpill(tmp_path, background=False), min_bytes=0) as session:
+        held = (torch.randn(*MAPPED, requires_grad=True) * 1.0).sin()  # keeps the file open
+        _Kept.apply(first * 1.0).sum().backward()
+        (kept,) = _Kept.kept
+        assert spill_mappings([tmp_path]), "a value of 2 MiB is mapped, not read"
+        expected = (first * 1.0).detach()
+        assert torch.equal(kept, expected)
+        for _ in range(3):  # freed extents are taken again first: never the one still mapped
+            second = torch.randn(*MAPPED, requires_grad=True)
+            (second * 1.0).sin().sum().backward()
+        assert torch.equal(kept, expected)
+    _Kept.kept.clear()
+    del kept, held
+    leak_check(session, directories=[tmp_path])
+
+
+def test_disk_spill_reads_large_values_where_they_cannot_be_mapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_spillfile, "_POPULATE_READ", None)  # a kernel before 5.14
+    x = torch.randn(*MAPPED, requires_grad=True)
+    (x * 2).sin().sum().backward()
+    expected, x.grad = x.grad, None
+    with ts.stash(ts.DiskSpill(tmp_path, background=False), min_bytes=0) as session:
+        y = (x * 2).sin()
+        assert spill_descriptors([tmp_path])
+    y.sum().backward()
+    assert torch.equal(x.grad, expected)
+    assert not spill_mappings([tmp_path])
+    del y
+    leak_check(session, directories=[tmp_path])
 
 
 def test_disk_spill_reads_back_after_its_directory_was_deleted(tmp_path: Path) -> None:

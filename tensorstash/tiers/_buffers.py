@@ -3,9 +3,11 @@
 The measurements behind these rules are in docs/figures/tiers-and-memory.md.
 
 # NOTE [ Read buffers ]
-1. A spill file is read straight into a buffer of the stash's own, an
-   anonymous mapping, and autograd gets that memory as the unpacked tensor's
-   storage (``torch.frombuffer``): no copy beside the read.
+1. A spill file's value that is not mapped (rule 4 of NOTE [ Spill files ]
+   in disk.py: a value under 1 MiB, or one whose pages cannot be mapped) is
+   read straight into a buffer of the stash's own, an anonymous mapping, and
+   autograd gets that memory as the unpacked tensor's storage
+   (``torch.frombuffer``): no copy beside the read.
 2. When that tensor dies its buffer comes back (a finalizer on the
    memoryview its storage holds) and serves the next read of the same size.
    A step's reads land on memory already resident: no page faults, and no

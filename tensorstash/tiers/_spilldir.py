@@ -202,6 +202,19 @@ def remove_stale(parent: Path) -> list[str]:
     return removed
 
 
+_swept: set[tuple[int, Path]] = set()
+
+
+def _sweep_once(parent: Path) -> None:
+    """:func:`remove_stale`, the first time this process makes a directory in ``parent``
+    (rule 8): a parent may hold thousands of entries, and ``stash("disk")`` makes a
+    directory each step."""
+    key = (os.getpid(), parent)
+    if key not in _swept:
+        _swept.add(key)
+        remove_stale(parent)
+
+
 class SpillDirectory:
     """This process's private spill directory inside one parent (rules 1, 2 and 8).
 
@@ -215,7 +228,7 @@ class SpillDirectory:
 
     def __init__(self, parent: Path) -> None:
         check_parent(parent, _API)
-        remove_stale(parent)
+        _sweep_once(parent)
         try:
             self.path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent))
         except OSError as error:
@@ -279,7 +292,10 @@ def _remove(path: Path, fd: int, pid: int) -> None:
     object is freed, on whichever thread let go of it last."""
     try:
         if os.getpid() == pid and _names(path, fd):
-            shutil.rmtree(path, ignore_errors=True)
+            try:
+                os.rmdir(path)  # spill files have no names (rule 2): it is empty
+            except OSError:
+                shutil.rmtree(path, ignore_errors=True)
     finally:
         with contextlib.suppress(OSError):
             os.close(fd)

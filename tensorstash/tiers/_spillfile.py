@@ -3,19 +3,24 @@
 Rules 4 and 6 of NOTE [ Spill files ] in disk.py. A session's values share one
 file with no name (:class:`SpillFile`); each value owns a page-aligned extent of
 it (:class:`Extent`), taken at most once while the value lives and given back
-when it is freed or, if a write or a read is at work on it then, when that ends.
-Bytes go in pieces of :data:`PIECE`, each hashed while it is still in the core's
-cache. Nothing here knows what a value is: DiskSpill (disk.py) decides what is
+when it is freed or, if a write, a read or a mapping of it is at work on it
+then, when that ends. Bytes go in pieces of :data:`PIECE`, each hashed while it
+is still in the core's cache; a value of :data:`MAP_FROM` bytes or more is read
+back by mapping its extent. Nothing here knows what a value is: DiskSpill (disk.py) decides what is
 written, and what a short or corrupted read means.
 """
 
 from __future__ import annotations
 
 import bisect
+import mmap
 import os
+import sys
 import threading
+import weakref
 from pathlib import Path
 
+import torch
 import xxhash
 from torch import Tensor
 
@@ -29,6 +34,14 @@ PIECE = 1 << 20
 
 IOV_MAX = 1024
 """Buffers one ``pwritev`` takes (Linux's ``IOV_MAX``)."""
+
+MAP_FROM = 1 << 20
+"""Values of this many bytes or more are read by mapping their extent (rule 4)."""
+
+# Linux's MADV_POPULATE_READ (5.14), which Python's mmap module names from 3.12 on:
+# the pages are read in now, and a page that cannot be read fails the call here
+# rather than raising SIGBUS when backward touches it.
+_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22) if sys.platform == "linux" else None
 
 
 class Usage:
@@ -301,24 +314,73 @@ def pwrite_all(fd: int, views: list[memoryview], offset: int) -> int:
 
 
 def read(extent: Extent, size: int) -> tuple[Tensor, int, int] | None:
-    """Read ``size`` bytes of a value into a buffer of the stash's own (NOTE [ Read
-    buffers ] in _buffers.py): the buffer, the bytes read (fewer at the file's end)
-    and their xxh3-64 digest. None when the value was freed first (a read-ahead's
-    race with backward).
+    """A value's ``size`` bytes, read back (rule 4): a tensor of them, the bytes
+    read (fewer at the file's end) and their xxh3-64 digest. None when the value
+    was freed first (a read-ahead's race with backward).
+
+    A value of :data:`MAP_FROM` bytes or more is the extent itself, mapped
+    shared (:func:`_mapped`); any other, or one that cannot be mapped, is read
+    into a buffer of the stash's own (NOTE [ Read buffers ] in _buffers.py).
 
     Raises:
         OSError: the file could not be read.
     """
-    data = POOL.take(size)  # rule 4: the tensor handed back
     file = extent.pin()
     if file is None:
         return None
-    digest = xxhash.xxh3_64()
+    mapped = None
     try:
+        if size >= MAP_FROM:
+            mapped = _mapped(file.fd, extent, size)
+        if mapped is not None:
+            return mapped
+        data = POOL.take(size)  # rule 4: the tensor handed back
+        digest = xxhash.xxh3_64()
         got = read_into(file.fd, memory(data), extent.offset, digest)
+        return data, got, digest.intdigest()
+    finally:
+        if mapped is None:
+            extent.unpin()  # a mapping holds the extent until its tensor dies
+
+
+def _mapped(fd: int, extent: Extent, size: int) -> tuple[Tensor, int, int] | None:
+    """The extent's first ``size`` bytes as a tensor over a shared mapping of the
+    file, its pages read in and hashed; None where the file is short, cannot be
+    mapped, or its pages cannot all be read in now (the caller reads instead,
+    and reports what it finds).
+
+    The mapping holds the extent (pinned by the caller) until the tensor dies:
+    no other value's bytes can be written into the pages the tensor shows.
+    """
+    if _POPULATE_READ is None:
+        return None  # no way to learn of an unreadable page before backward touches it
+    try:
+        if os.fstat(fd).st_size < extent.offset + size:
+            return None  # a page past the file's end would raise SIGBUS when touched
+        region = mmap.mmap(fd, size, mmap.MAP_SHARED, offset=extent.offset)
+    except (OSError, ValueError):
+        return None
+    try:
+        region.madvise(_POPULATE_READ)
+    except OSError:
+        region.close()
+        return None  # an old kernel, or unreadable pages: the read reports any error
+    view = memoryview(region)
+    digest = xxhash.xxh3_64_intdigest(view)
+    tensor = torch.frombuffer(view, dtype=torch.uint8)
+    # The tensor's storage holds `view`; when the storage dies, so does the view.
+    weakref.finalize(view, _unmap, region, extent).atexit = False
+    return tensor, size, digest
+
+
+def _unmap(region: mmap.mmap, extent: Extent) -> None:
+    """A mapped value's tensor died: unmap it, and let go of its extent."""
+    try:
+        region.close()
+    except BufferError:
+        pass  # another view still exports it: unmapped when that goes
     finally:
         extent.unpin()
-    return data, got, digest.intdigest()
 
 
 def read_into(fd: int, view: memoryview, offset: int, digest: xxhash.xxh3_64) -> int:

@@ -40,19 +40,30 @@ docs/figures/tiers-and-memory.md.
    them, and writes them with ``pwritev``: one copy, into the page cache. The
    checksum is xxh3-64, at memory speed and without the GIL. Bytes go in
    pieces of 1 MiB, each hashed and then written while it is still in the
-   core's cache (small buffers go together, one call for many); a read goes
-   straight into the buffer handed back, the stash's own (NOTE [ Read
-   buffers ] in _buffers.py), a piece at a time, each hashed right after it
-   is read: hashing a whole value before writing it, and after reading it,
-   reads every byte from memory twice. The length read and the checksum are
-   checked after the last piece. Bytes that come back short or corrupted raise
-   :class:`SpillError` naming the tensor. Nothing is ever unpickled. Three
-   other paths were measured and left, none faster: ``O_DIRECT`` (writes
-   straight from the tensor's pages, reads into the page-aligned buffers)
-   spares the copies, but a read then waits on the device rather than coming
-   from the page cache, and steps got slower; mapping the extent (``mmap``
-   with ``MAP_POPULATE``) in place of the read (a private writable mapping
-   copies every page); and ``posix_fallocate`` ahead of the writes.
+   core's cache (small buffers go together, one call for many). A value of
+   1 MiB or more comes back as its extent itself, mapped shared: the tensor
+   backward gets is the page cache's own pages, read in at once
+   (``MADV_POPULATE_READ``) and hashed, with no copy; the mapping holds the
+   extent until that tensor dies, so no later value is written into pages
+   it shows. A smaller value, one whose pages cannot be read in now (an I/O
+   error, which the read then reports), or any value on a kernel without
+   ``MADV_POPULATE_READ`` (before Linux 5.14, where an unreadable page would
+   raise SIGBUS in backward rather than an error at unpack) is read straight
+   into the buffer handed back, the stash's own (NOTE [ Read buffers ] in
+   _buffers.py), a piece at a time, each hashed right after it is read:
+   hashing a whole value before writing it, and after reading it, reads
+   every byte from memory twice. The length read and the checksum are
+   checked before the value is handed back. Bytes that come back short or
+   corrupted raise :class:`SpillError` naming the tensor. Nothing is ever
+   unpickled. A mapped page the kernel drops under memory pressure while its
+   tensor lives is read from the disk again when touched, as for any mapped
+   file; the file has no name (rule 2), so nothing outside the process can
+   shorten it under the mapping. Three other paths were measured and left,
+   none faster: ``O_DIRECT`` (writes straight from the tensor's pages, reads
+   into the page-aligned buffers) spares the copies, but a read then waits
+   on the device rather than coming from the page cache, and steps got
+   slower; a private writable mapping, which copies every page; and
+   ``posix_fallocate`` ahead of the writes.
 5. A full disk (ENOSPC, EDQUOT), or a session past ``max_disk_bytes``, keeps
    the value in memory instead, with one warning per session and a count in
    ``stats.fallbacks`` ("disk full", "disk cap").
@@ -93,7 +104,7 @@ docs/figures/tiers-and-memory.md.
    children). A path is removed only while it still leads to the directory
    held open: one deleted from outside is replaced for its policies, and its
    name may lead elsewhere since. Directories left by dead processes of the
-   same user are removed when a new one is made. A policy made for each
+   same user are removed when this process first makes one in that parent. A policy made for each
    step (``stash("disk")``) makes and removes a directory each step (the file
    system's mkdir and rmdir); one policy kept across steps makes one. A
    forked child makes its own directory and file, closes its copies of its
