@@ -216,3 +216,41 @@ def test_bench_compile_runs_with_fullgraph_and_dynamic_shapes() -> None:
     )
     assert all(row.skipped is None for row in rows)
     assert all(row.grads_equal for row in rows if not row.policy.startswith("compile:"))
+
+
+@pytest.mark.slow
+def test_bench_compile_checkpoint_the_hf_way_compiles_nothing_after_warm_up() -> None:
+    """ "checkpoint" on an HF model runs a copy whose checkpointing was turned on once:
+    turned on and off every step, HF stacked a hook on the input embeddings each time and
+    made a new function the graphs guard on, and every variant compiled again each step."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from tensorstash.bench import workloads
+    from tensorstash.bench.compiled import compiled_run
+
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    library_model = transformers.GPT2LMHeadModel(config)
+    library_model.loss_type = "ForCausalLM"
+    workload = bench.Workload(
+        workloads.CausalLMLoss(library_model),
+        (torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0)),),
+        GPT2Block,
+        "a two-layer HF GPT-2",
+        checkpointing=workloads._hf_checkpointing,
+        library_model=library_model,
+    )
+    hooks = len(library_model.get_input_embeddings()._forward_hooks)
+    with compiled_run(True):
+        runner = bench.StepRunner(workload, torch.device("cpu"), torch.float32, 0, compile=True)
+        runner.take_reference()
+        for name in ("none", "checkpoint", "keep") * 2:  # the bench's two warm-up rounds
+            runner.step(name)
+        steps = [runner.step(name) for name in ("none", "checkpoint", "keep") * 2]
+    assert [step.graphs for step in steps] == [0] * 6
+    assert all(step.grads_equal for step in steps)
+    assert len(library_model.get_input_embeddings()._forward_hooks) == hooks

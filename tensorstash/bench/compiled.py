@@ -30,6 +30,14 @@
    the variants after it ran other graphs. The ``compile:<b>`` peers are
    what recomputes compiled code; "checkpoint" is the user's own
    checkpointing, which dynamo traces.
+7. "checkpoint" runs a copy of the model whose checkpointing is turned on
+   once, at its first step, and stays on, as a user turns it on
+   (``StepRunner.model_for``): turned on and off each step on the shared
+   model, HF's made a new checkpoint function the graphs guard on, and
+   stacked a hook on the input embeddings that nothing took off, so every
+   variant compiled again in every timed step. The copy's graphs break where
+   checkpointing starts, and the variants' graphs are found after them, so
+   each variant compiles once more in warm-up after the copy's first step.
 """
 
 from __future__ import annotations

@@ -68,7 +68,8 @@ def train_alone(
         first step; ``seconds``: each step's time, the optimizer's step included.
     """
     runner.take_reference()
-    net = runner.model
+    workload = runner.model_for(name)
+    net = workload.model
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-4)
     seconds: list[float] = []
     peaks: list[float] = []
@@ -83,7 +84,7 @@ def train_alone(
             net.zero_grad(set_to_none=True)
             with variant(name, runner):
                 with runner.autocast():
-                    loss = checked_loss(net(*runner.batch), runner.workload)
+                    loss = checked_loss(net(*runner.batch), workload)
                 loss.backward()
             optimizer.step()
             del loss

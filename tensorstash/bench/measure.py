@@ -6,18 +6,20 @@ Rules 2, 4, 5 and 10 of NOTE [ Fair comparison ] (rounds.py) live here.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 import tensorstash as ts
 from tensorstash.bench.compiled import CompiledForwards, graphs_compiled
 from tensorstash.bench.timeline import Timeline
-from tensorstash.bench.variants import BASELINE, NO_PLAN, variant_context
+from tensorstash.bench.variants import BASELINE, NO_PLAN, checkpointing_on, variant_context
 from tensorstash.bench.workloads import Workload, checked_loss, to_device
 from tensorstash.memory._memory import meter, return_free_memory
 
@@ -132,6 +134,8 @@ class StepRunner:
         )
         self.model = model
         self.forwards = CompiledForwards(model, compile)
+        self._compile = compile
+        self._checkpointed: tuple[Workload, CompiledForwards] | None = None
         self.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.batch = self.workload.batch
         self.device = device
@@ -157,10 +161,11 @@ class StepRunner:
         # count them: its growth would read as a fraction of what it is
         # (docs/figures/planning.md).
         self.session = None
-        self._reset()
+        workload, forwards = self._runs(name)
+        self._reset(workload.model)
         return_free_memory(self.device)  # rule 3 of NOTE [ Real memory ]
-        trace = Timeline(self.model, self.device) if timeline else None
-        forward = self.forwards(name.removesuffix(NO_PLAN))
+        trace = Timeline(workload.model, self.device) if timeline else None
+        forward = forwards(name.removesuffix(NO_PLAN))
         graphs = graphs_compiled()
         with meter(self.device) as measured, trace or contextlib.nullcontext():
             start = time.perf_counter()
@@ -168,7 +173,7 @@ class StepRunner:
                 if trace is not None:
                     trace.session = session
                 with self.autocast():
-                    loss = checked_loss(forward(*self.batch), self.workload)
+                    loss = checked_loss(forward(*self.batch), workload)
                 if trace is not None:
                     trace.backward_starts()
                 loss.backward()
@@ -179,7 +184,7 @@ class StepRunner:
             if trace is not None:
                 trace.sample()
         self.session = session
-        equal = self._grads_equal()
+        equal = self._grads_equal(workload.model)
         return StepResult(
             seconds,
             equal,
@@ -188,8 +193,31 @@ class StepRunner:
             read_plan(session),
             None if trace is None else trace.to_dict(),
             graphs_compiled() - graphs,
-            equal or self._grads_equal(close=True),
+            equal or self._grads_equal(workload.model, close=True),
         )
+
+    def model_for(self, name: str) -> Workload:
+        """The workload variant ``name`` runs, under :meth:`variant` (a copy of the
+        model for "checkpoint", :meth:`_runs`)."""
+        return self._runs(name)[0]
+
+    def _runs(self, name: str) -> tuple[Workload, CompiledForwards]:
+        """The workload a variant's step runs and its forwards.
+
+        "checkpoint" runs a copy of the model whose checkpointing was turned on
+        once, at its first step, and stays on, as a user turns it on: turned on
+        and off every step, HF's stacks a hook on the input embeddings each
+        time, and compiled graphs guard on what each turn makes, so every
+        variant's graphs compiled again in timed steps.
+        """
+        if name != "checkpoint":
+            return self.workload, self.forwards
+        if self._checkpointed is None:
+            model = copy.deepcopy(self.model)
+            workload = dataclasses.replace(self.workload, model=model, library_model=None)
+            checkpointing_on(workload)  # for good: the copy is this variant's alone
+            self._checkpointed = (workload, CompiledForwards(model, self._compile))
+        return self._checkpointed
 
     def take_reference(self) -> None:
         """Plain autograd's gradients, and the activation bytes of one step (rule 4 of the NOTE).
@@ -206,7 +234,10 @@ class StepRunner:
         self.activation_bytes = int(stats["tiers"]["kept"]["peak_bytes"])
 
     def variant(self, name: str) -> contextlib.AbstractContextManager[Any]:
-        """The context variant ``name``'s step runs in: its session, or none."""
+        """The context variant ``name``'s step runs in, around :meth:`model_for`'s model:
+        its session, or none ("checkpoint": that model checkpoints already)."""
+        if name == "checkpoint":
+            return contextlib.nullcontext()
         return variant_context(
             name,
             self.workload,
@@ -224,16 +255,16 @@ class StepRunner:
         with torch.autocast(self.device.type, dtype=self.dtype):
             yield
 
-    def _reset(self) -> None:
+    def _reset(self, model: nn.Module) -> None:
         """Same weights, no gradients, same RNG state (rule 2 of the NOTE)."""
-        self.model.load_state_dict(self.initial)
-        self.model.zero_grad(set_to_none=True)
+        model.load_state_dict(self.initial)
+        model.zero_grad(set_to_none=True)
         torch.manual_seed(self.seed)
 
-    def _grads_equal(self, *, close: bool = False) -> bool:
-        """Whether every parameter's gradient equals the reference bitwise (or, with
-        ``close``, within float tolerance)."""
-        grads = [p.grad for p in self.model.parameters()]
+    def _grads_equal(self, model: nn.Module, *, close: bool = False) -> bool:
+        """Whether every parameter's gradient of ``model`` (the workload's, or a copy of
+        it) equals the reference bitwise (or, with ``close``, within float tolerance)."""
+        grads = [p.grad for p in model.parameters()]
         if len(grads) != len(self.reference):
             return False
         same = _close if close else torch.equal

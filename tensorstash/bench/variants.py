@@ -197,6 +197,21 @@ def check_blocks(names: Sequence[str], workload: Workload) -> None:
         )
 
 
+def checkpointing_on(workload: Workload) -> Callable[[], None]:
+    """Turn on the "checkpoint" peer: the workload's model checkpoints every block, its
+    own way where it has one, else with torch's checkpoint. Returns what turns it off."""
+    if workload.checkpointing is not None:
+        return workload.checkpointing(workload.model)
+    model = workload.model
+    names = ts.recompute_modules(model, workload.blocks)
+
+    def off() -> None:
+        for name in names:
+            ts.unrecompute(model.get_submodule(name))
+
+    return off
+
+
 @contextlib.contextmanager
 def _blocks_recomputed(workload: Workload) -> Iterator[None]:
     """The workload's blocks run under non-reentrant checkpointing inside the region."""
@@ -273,9 +288,11 @@ def variant_context(
         with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
             yield None
     elif name == "checkpoint":
-        own = workload.checkpointing
-        with own() if own is not None else _blocks_recomputed(workload):
+        off = checkpointing_on(workload)
+        try:
             yield None
+        finally:
+            off()
     elif name in OPTIONAL_PEERS:
         with _peer_context(name, workload):
             yield None

@@ -11,7 +11,6 @@ import contextlib
 import importlib.util
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +43,11 @@ class Workload:
             submodule names, or a predicate); None when the model has none,
             and then those two policies cannot run.
         description: one line that names the model in the table's title.
-        checkpointing: a context inside which the model checkpoints every
-            block its own way (the embedded model's flag, HF's
-            ``gradient_checkpointing_enable``), for the "checkpoint" variant;
-            None: torch's checkpoint is put on ``blocks``.
+        checkpointing: turns on, on the model given (``model``, or a copy of
+            it), checkpointing of every block the model's own way (the embedded
+            model's flag, HF's ``activation_checkpointing_enable``), and returns
+            what turns it off again; for the "checkpoint" variant. None:
+            torch's checkpoint is put on ``blocks``.
         library_model: the model as its library builds it, when ``model`` wraps
             it to return the loss (HF: the ``GPT2LMHeadModel``); peers that look
             for an output head are given it.
@@ -57,7 +57,7 @@ class Workload:
     batch: Batch
     blocks: Any
     description: str
-    checkpointing: Callable[[], AbstractContextManager[None]] | None = None
+    checkpointing: Callable[[nn.Module], Callable[[], None]] | None = None
     library_model: nn.Module | None = None
 
 
@@ -91,18 +91,14 @@ def builtin_workload(name: str, seed: int) -> Workload:
         make_batch(config, seed=seed),
         Block,
         f"model {name} ({config.describe()})",
-        checkpointing=lambda: _flag_checkpointing(model),
+        checkpointing=_flag_checkpointing,
     )
 
 
-@contextlib.contextmanager
-def _flag_checkpointing(model: BenchGPT) -> Iterator[None]:
+def _flag_checkpointing(model: nn.Module) -> Callable[[], None]:
     """torch's own checkpoint on every block, a peer that owes nothing to tensorstash."""
-    model.checkpoint = True
-    try:
-        yield
-    finally:
-        model.checkpoint = False
+    setattr(model, "checkpoint", True)  # noqa: B010 (an nn.Module's flag, not a submodule)
+    return lambda: setattr(model, "checkpoint", False)
 
 
 # -- Hugging Face GPT-2 ------------------------------------------------------------------
@@ -158,35 +154,41 @@ def hf_gpt2_workload(seed: int) -> Workload:
         GPT2Block,
         f"model {HF_GPT2} (transformers GPT2LMHeadModel: 4 layers, d=256, 4 heads, "
         f"vocab 2048, batch {HF_BATCH[0]}x{HF_BATCH[1]}, loss from labels)",
-        checkpointing=lambda: _hf_checkpointing(library_model),
+        checkpointing=_hf_checkpointing,
         library_model=library_model,
     )
 
 
-@contextlib.contextmanager
-def _hf_checkpointing(model: Any) -> Iterator[None]:
-    """HF's own gradient checkpointing of every block, non-reentrant, as its users turn it on.
+def _hf_checkpointing(model: nn.Module) -> Callable[[], None]:
+    """HF's own gradient checkpointing of every block, non-reentrant, turned on as its
+    users turn it on, on the HF model ``model`` wraps (:class:`CausalLMLoss`) or on
+    ``model`` itself: what turns it off again.
 
     Newer transformers call it ``activation_checkpointing_enable`` and warn on the
-    old name; HF also says once that it turns the KV cache off, as it must.
+    old name; HF also says once that it turns the KV cache off, as it must. Each
+    enable also puts a forward hook on the input embeddings that no disable takes
+    off, and makes a new checkpoint function that compiled graphs guard on: the
+    bench turns it on once, on a copy of the model kept for the "checkpoint"
+    variant (``StepRunner.model_for``).
     """
-    new = hasattr(model, "activation_checkpointing_enable")
+    library: Any = model.model if isinstance(model, CausalLMLoss) else model
+    new = hasattr(library, "activation_checkpointing_enable")
     with _hf_quiet():
         if new:
-            model.activation_checkpointing_enable({"use_reentrant": False})
+            library.activation_checkpointing_enable({"use_reentrant": False})
         else:
-            model.gradient_checkpointing_enable(
+            library.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
-    try:
-        with _hf_quiet():
-            yield
-    finally:
+
+    def off() -> None:
         with _hf_quiet():
             if new:
-                model.activation_checkpointing_disable()
+                library.activation_checkpointing_disable()
             else:
-                model.gradient_checkpointing_disable()
+                library.gradient_checkpointing_disable()
+
+    return off
 
 
 @contextlib.contextmanager
