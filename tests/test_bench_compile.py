@@ -247,10 +247,11 @@ def test_bench_compile_checkpoint_the_hf_way_compiles_nothing_after_warm_up() ->
     hooks = len(library_model.get_input_embeddings()._forward_hooks)
     with compiled_run(True):
         runner = bench.StepRunner(workload, torch.device("cpu"), torch.float32, 0, compile=True)
-        runner.take_reference()
-        for name in ("none", "checkpoint", "keep") * 2:  # the bench's two warm-up rounds
-            runner.step(name)
-        steps = [runner.step(name) for name in ("none", "checkpoint", "keep") * 2]
+        runner.take_reference()  # "none" and "keep" compile their graphs
+        assert runner.step("checkpoint").graphs > 0
+        # The copy's graphs, which break where checkpointing starts, are not found for the
+        # shared model: "none" and "keep" run the graphs the reference ran.
+        steps = [runner.step(name) for name in ("none", "keep", "checkpoint") * 2]
     assert [step.graphs for step in steps] == [0] * 6
     assert all(step.grads_equal for step in steps)
     assert len(library_model.get_input_embeddings()._forward_hooks) == hooks

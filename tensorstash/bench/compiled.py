@@ -35,9 +35,11 @@
    (``StepRunner.model_for``): turned on and off each step on the shared
    model, HF's made a new checkpoint function the graphs guard on, and
    stacked a hook on the input embeddings that nothing took off, so every
-   variant compiled again in every timed step. The copy's graphs break where
-   checkpointing starts, and the variants' graphs are found after them, so
-   each variant compiles once more in warm-up after the copy's first step.
+   variant compiled again in every timed step. The copy is called through a
+   forward of its own: its graphs break where checkpointing starts, before
+   anything they guard on tells the copy from the shared model, and kept on
+   the model's own forward they were found first for every other variant,
+   which then ran other graphs than the reference's (gradients "close").
 """
 
 from __future__ import annotations

@@ -205,10 +205,8 @@ class StepRunner:
         """The workload a variant's step runs and its forwards.
 
         "checkpoint" runs a copy of the model whose checkpointing was turned on
-        once, at its first step, and stays on, as a user turns it on: turned on
-        and off every step, HF's stacks a hook on the input embeddings each
-        time, and compiled graphs guard on what each turn makes, so every
-        variant's graphs compiled again in timed steps.
+        once, at its first step, and stays on, as a user turns it on (NOTE
+        [ Compiled runs ] rule 7), called through code of its own (:class:`_OwnCode`).
         """
         if name != "checkpoint":
             return self.workload, self.forwards
@@ -216,7 +214,7 @@ class StepRunner:
             model = copy.deepcopy(self.model)
             workload = dataclasses.replace(self.workload, model=model, library_model=None)
             checkpointing_on(workload)  # for good: the copy is this variant's alone
-            self._checkpointed = (workload, CompiledForwards(model, self._compile))
+            self._checkpointed = (workload, CompiledForwards(_OwnCode(model), self._compile))
         return self._checkpointed
 
     def take_reference(self) -> None:
@@ -272,6 +270,24 @@ class StepRunner:
             (g is None and r is None) or (g is not None and r is not None and same(g, r))
             for g, r in zip(grads, self.reference, strict=True)
         )
+
+
+class _OwnCode(nn.Module):
+    """A model called through a forward of its own (NOTE [ Compiled runs ] rule 7).
+
+    Dynamo keeps compiled graphs by code object. The checkpointing copy's graphs
+    break where checkpointing starts, before anything they guard on tells the copy
+    from the shared model; kept on the model's own forward, they were found first
+    for the shared model too, whose variants then ran other graphs than the
+    reference's, and their gradients differed from it in the last bit.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any) -> Any:
+        return self.model(*args)
 
 
 def _close(a: Tensor, b: Tensor) -> bool:

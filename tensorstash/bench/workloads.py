@@ -165,7 +165,8 @@ def _hf_checkpointing(model: nn.Module) -> Callable[[], None]:
     ``model`` itself: what turns it off again.
 
     Newer transformers call it ``activation_checkpointing_enable`` and warn on the
-    old name; HF also says once that it turns the KV cache off, as it must. Each
+    old name. The KV cache is turned off with it, in the config, as HF turns it off
+    itself in the first forward under checkpointing (with a warning). Each
     enable also puts a forward hook on the input embeddings that no disable takes
     off, and makes a new checkpoint function that compiled graphs guard on: the
     bench turns it on once, on a copy of the model kept for the "checkpoint"
@@ -173,6 +174,7 @@ def _hf_checkpointing(model: nn.Module) -> Callable[[], None]:
     """
     library: Any = model.model if isinstance(model, CausalLMLoss) else model
     new = hasattr(library, "activation_checkpointing_enable")
+    use_cache = getattr(library.config, "use_cache", None)
     with _hf_quiet():
         if new:
             library.activation_checkpointing_enable({"use_reentrant": False})
@@ -180,6 +182,8 @@ def _hf_checkpointing(model: nn.Module) -> Callable[[], None]:
             library.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+    if use_cache is not None:
+        library.config.use_cache = False
 
     def off() -> None:
         with _hf_quiet():
@@ -187,6 +191,8 @@ def _hf_checkpointing(model: nn.Module) -> Callable[[], None]:
                 library.activation_checkpointing_disable()
             else:
                 library.gradient_checkpointing_disable()
+        if use_cache is not None:
+            library.config.use_cache = use_cache
 
     return off
 
