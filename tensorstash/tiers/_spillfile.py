@@ -6,8 +6,8 @@ it (:class:`Extent`), taken at most once while the value lives and given back
 when it is freed or, if a write, a read or a mapping of it is at work on it
 then, when that ends. Bytes go in pieces of :data:`PIECE`, each hashed while it
 is still in the core's cache; a value of :data:`MAP_FROM` bytes or more is read
-back by mapping its extent. Nothing here knows what a value is: DiskSpill (disk.py) decides what is
-written, and what a short or corrupted read means.
+back by mapping its extent. Nothing here knows what a value is: DiskSpill
+(disk.py) decides what is written, and what a short or corrupted read means.
 """
 
 from __future__ import annotations
