@@ -202,6 +202,11 @@ def checkpointing_on(workload: Workload) -> Callable[[], None]:
     own way where it has one, else with torch's checkpoint. Returns what turns it off."""
     if workload.checkpointing is not None:
         return workload.checkpointing(workload.model)
+    return _recompute_blocks(workload)
+
+
+def _recompute_blocks(workload: Workload) -> Callable[[], None]:
+    """Put the workload's blocks under non-reentrant checkpointing: what takes it off."""
     model = workload.model
     names = ts.recompute_modules(model, workload.blocks)
 
@@ -215,12 +220,11 @@ def checkpointing_on(workload: Workload) -> Callable[[], None]:
 @contextlib.contextmanager
 def _blocks_recomputed(workload: Workload) -> Iterator[None]:
     """The workload's blocks run under non-reentrant checkpointing inside the region."""
-    names = ts.recompute_modules(workload.model, workload.blocks)
+    off = _recompute_blocks(workload)
     try:
         yield
     finally:
-        for name in names:
-            ts.unrecompute(workload.model.get_submodule(name))
+        off()
 
 
 _PEER_CONTEXTS: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
