@@ -297,22 +297,59 @@ def test_auto_plans_an_eager_model_as_before_in_a_process_that_compiled(
     assert moved["host"].tensors + moved["disk"].tensors > 0 or plan.recompute
 
 
-def test_auto_leaves_compiled_graphs_that_draw_random_numbers_untouched(
+def test_auto_plans_compiled_graphs_that_draw_random_numbers_with_their_draws_saved(
     fresh_dynamo: Any,
 ) -> None:
     """Rule 7: under a memory budget the partitioner recomputes dropout with other random
-    values (same loss, other gradients); a graph with dropout is never asked for one."""
+    values (same loss, other gradients); Auto's budget keeps what the random ops drew, and
+    trains bitwise as the compiled model alone does. The compiler's own budget at the same
+    setting, without the pass, gives other gradients: the pass is what makes them equal."""
+    import torch._functorch.config as functorch_config
+    from torch._dynamo.backends.registry import lookup_backend
+
     model = _model()  # training: dropout draws random numbers
     fn = _compiled_fn(model)
     _, reference = _train(model, fn, None, 1, None)
     profile = ts.Profile()
-    sessions, grads = _train(model, fn, ts.Auto(device_budget=64 << 10), 5, profile)
+    sessions, grads = _train(model, fn, ts.Auto(device_budget=64 << 10), 8, profile)
     for got in grads:
         assert all(torch.equal(a, b) for a, b in zip(got, reference[0], strict=True))
     plan = sessions[-1].plan
-    assert plan.random and plan.setting is None and plan.settled
-    assert [t.setting for t in plan.trials] == [1.0]  # no other setting was compiled
-    assert "draw random numbers" in plan.table()
+    assert plan.random and plan.settled and plan.setting is not None and plan.setting < 1.0
+    assert 0.0 not in [t.setting for t in plan.trials]  # 0 recomputes random ops too
+    assert "random ops (dropout) saved" in plan.table()
+    assert all(tier.tensors == 0 for tier in sessions[-1].stats.tiers.values())
+
+    def compilers_own(graph: Any, inputs: Any) -> Any:
+        with functorch_config.patch(activation_memory_budget=plan.setting):
+            return lookup_backend(PARTITIONED)(graph, inputs)
+
+    _, peer = _train(model, _compiled_fn(model, compilers_own), None, 1, None)
+    assert not all(torch.equal(a, b) for a, b in zip(peer[0], reference[0], strict=True))
+
+
+def test_the_random_ops_pass_marks_the_forwards_draws_and_runs_the_users_pass() -> None:
+    """Rule 7: only the forward's random ops, and not those the user's checkpointing
+    marked; the user's own joint pass runs after."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from tensorstash.planning.compiler import _SaveRandom
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("primals_1")
+    tangent = graph.placeholder("tangents_1")
+    drawn = graph.call_function(torch.ops.aten.rand_like.default, (x,))
+    theirs = graph.call_function(torch.ops.aten.bernoulli.default, (x,))
+    theirs.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    late = graph.call_function(torch.ops.aten.rand_like.default, (tangent,))
+    graph.output((drawn, theirs, late))
+    joint = torch.fx.GraphModule(torch.nn.Module(), graph)
+    ran: list[Any] = []
+    assert _SaveRandom(lambda g, i: ran.append(g) or g)(joint, ()) is joint
+    assert ran == [joint]
+    assert drawn.meta["recompute"] == CheckpointPolicy.MUST_SAVE
+    assert theirs.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
+    assert "recompute" not in late.meta
 
 
 def test_auto_sees_the_draws_of_graphs_from_the_compile_cache(
@@ -320,7 +357,8 @@ def test_auto_sees_the_draws_of_graphs_from_the_compile_cache(
 ) -> None:
     """Rule 7: graphs that inductor finds in its caches (AOTAutograd's, the FX graph
     cache) are not compiled again, so nothing at compile time sees their dropout; the
-    forward that runs tells. A second profile, after a reset, must still run them untouched."""
+    forward that runs tells. A second profile, after a reset, must still leave out the
+    setting that recomputes random ops, and train bitwise."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
@@ -338,11 +376,50 @@ def test_auto_sees_the_draws_of_graphs_from_the_compile_cache(
         _train(model, fn, ts.Auto(device_budget=64 << 10), 1, ts.Profile())  # fills the cache
         torch._dynamo.reset()
         fn = _compiled_fn(model, "inductor")
-        sessions, grads = _train(model, fn, ts.Auto(device_budget=64 << 10), 3, ts.Profile())
+        sessions, grads = _train(model, fn, ts.Auto(device_budget=64 << 10), 6, ts.Profile())
     for got in grads:
         assert all(torch.equal(a, b) for a, b in zip(got, reference[0], strict=True))
     plan = sessions[-1].plan
-    assert plan.random and plan.setting is None and plan.settled
+    assert plan.random and plan.settled and plan.setting is not None
+    assert 0.0 not in [t.setting for t in plan.trials]
+
+
+@pytest.mark.slow
+def test_graphs_cached_under_another_scheme_are_not_found(
+    fresh_dynamo: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """Rule 7: AOTAutograd's cache leaves the joint pass out of its key; the scheme named
+    in the pack graph keeps graphs compiled without the pass (or with another) apart."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    from tensorstash.planning import compiler
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model = _model()
+    x = torch.randn(16, 32, 64)
+    ours = compiler.SCHEME
+
+    def hits(scheme: str) -> int:
+        monkeypatch.setattr(compiler, "SCHEME", scheme)
+        monkeypatch.setattr(compiler, "_PAIRS", {})
+        torch._dynamo.reset()
+        before = counters["aot_autograd"]["autograd_cache_hit"]
+        fn = torch.compile(lambda x: model(x).sum())
+        pair = compiler.hooks_for(0.5)
+        with torch.autograd.graph.saved_tensors_hooks(pair.pack, pair.unpack):
+            loss = fn(x)
+        loss.backward()
+        return int(counters["aot_autograd"]["autograd_cache_hit"] - before)
+
+    with (
+        inductor_config.patch(fx_graph_cache=True),
+        functorch_config.patch(enable_autograd_cache=True),
+    ):
+        assert hits("before") == 0
+        assert hits("before") == 1  # the cache is at work
+        assert hits(ours) == 0
 
 
 class _Embedded(nn.Module):

@@ -247,15 +247,37 @@ def test_random_steps_are_those_that_draw(fn: object, random: bool) -> None:
     assert compiler._drew(before, compiler._generators()) is random
 
 
-def test_a_plan_made_before_the_model_drew_is_made_again() -> None:
-    """Rule 7: a search settled at a smaller setting (the model in eval mode) whose step
-    then draws (back in training) runs untouched from then on."""
+def test_a_plan_at_0_made_before_the_model_drew_is_made_again() -> None:
+    """Rule 7: a search settled at 0 (the model in eval mode) whose step then draws (back
+    in training) never runs at 0 again; one settled at another setting stays."""
     search = CompiledSearch(10 * MIB)
-    for setting in (1.0, 0.5):
+    for setting in (1.0, 0.5, 0.0):
         search.measured(setting, KEPT[setting], 5)
     search._settle(0.5)
     search.drew()
-    assert search.random and search.setting_for_step() is None and search.settled
+    assert search.random and search.settled and search.setting_for_step() == 0.5
+    search._settle(0.0)
+    search.drew()
+    assert not search.settled
+    assert search.setting_for_step() != 0.0
+
+
+def test_a_search_whose_steps_draw_never_compiles_0() -> None:
+    """Rule 7: at 0 the partitioner recomputes random ops whatever they are marked."""
+    search = CompiledSearch(budget=1 * MIB)  # nothing fits: every setting is worth a try
+    search.measured(1.0, KEPT[1.0], 5)
+    search.drew()
+    tried = []
+    for _ in range(12):
+        setting = search.setting_for_step()
+        if search.settled:
+            break
+        tried.append(setting)
+        if setting not in search.trials or search.trials[setting].kept_bytes is None:
+            search.measured(setting, KEPT[setting], 5)
+        search.timed(setting, 1.0, 10 * MIB, compiled=False)
+    assert 0.0 not in tried and search.choice != 0.0
+    assert search.choice == min((s for s in KEPT if s > 0), key=KEPT.get)
 
 
 def test_a_step_whose_backward_ran_inside_its_session_ends_when_it_closes() -> None:

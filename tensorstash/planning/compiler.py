@@ -64,18 +64,25 @@
    little).
 6. A step that runs compiled code is planned whole by the search: tensors
    saved by eager code in such a step are kept where they are (counted).
-7. Graphs that draw random numbers (dropout) run untouched: under a memory
-   budget below 1.0 the partitioner (inductor's and aot_eager's alike)
-   recomputes a random op in backward with other random values, so the
-   gradient no longer matches the forward (same loss, other gradients). A
-   step's forward says so where it moves a default generator (the CPU's
-   state, or a CUDA device's offset): the first step runs at the default
-   partitioner, before any other setting is tried, and the plan then asks the
-   compiler for nothing, and says why. The forward that runs tells, not the
-   graph compiled: graphs found in the compile cache are not compiled again,
-   so nothing at compile time would see them; attention and dropout at a
+7. Random ops are saved, never recomputed. Below 1.0 the partitioner's
+   memory budget takes random ops (dropout) as recomputable like any other,
+   and a random op recomputed in backward draws other values: the same loss,
+   other gradients (inductor's and aot_eager's alike). So while a graph
+   compiles under a pair below 1.0, a joint-graph pass
+   (``torch._functorch.config.joint_custom_pass``, run before the user's own)
+   marks every random op of the forward ``MUST_SAVE``, which the budget's
+   solver honours: what the random op drew is kept, what follows from it may
+   still be recomputed. At a budget of 0 the partitioner recomputes every op
+   whatever it is marked, so the search leaves 0 out for a step whose forward
+   draws random numbers, where it moves a default generator (the CPU's state,
+   or a CUDA device's offset). The forward that runs tells, not the graph
+   compiled: graphs found in the compile cache are not compiled again, so
+   nothing at compile time would see them; attention and dropout at a
    probability of 0 draw nothing, and eager code that draws in the forward
-   counts too (what it draws the compiled graphs may use).
+   counts too. AOTAutograd's cache leaves the joint pass out of its key; the
+   pack graph names the scheme (:data:`SCHEME`) as a constant argument of
+   ``tensorstash::saved``, so graphs cached by a pair that compiled without the
+   pass are never found for one that compiles with it.
 8. A CUDA graph's replay runs no Python, so ``tensorstash::saved`` and
    ``tensorstash::reached`` would count nothing after the graph was recorded
    (``mode="reduce-overhead"``): both are tagged ``cudagraph_unsafe``, and
@@ -128,6 +135,9 @@ and the one with the lowest real peak among them is the plan (rule 5): each is t
 over a step or two, and a single step's time varies about that much."""
 EXPLORE = 2
 """Fitting settings tried below the largest that fits (rule 5)."""
+SCHEME = "random-saved"
+"""What compiling under a pair does to the joint graph (rule 7); named in the pack graph,
+so that the compile cache keys it."""
 POOL_LEAST = 8 << 20
 """The least cap of the session pool a step at a setting leases on the CPU (rule 10)."""
 
@@ -157,7 +167,7 @@ _OP_TAGS: dict[str, Any] = (
 
 
 @torch.library.custom_op("tensorstash::saved", mutates_args=(), **_OP_TAGS)
-def _saved(tensor: Tensor) -> Tensor:
+def _saved(tensor: Tensor, scheme: str) -> Tensor:
     count = _count()
     nbytes = tensor.nbytes
     if nbytes >= count.min_bytes:
@@ -168,7 +178,7 @@ def _saved(tensor: Tensor) -> Tensor:
 
 
 @_saved.register_fake
-def _saved_fake(tensor: Tensor) -> Tensor:
+def _saved_fake(tensor: Tensor, scheme: str) -> Tensor:
     return tensor.new_empty(0)
 
 
@@ -231,7 +241,7 @@ def prepare() -> CompilerHooks:
 def _pack_graph() -> fx.Graph:
     graph = fx.Graph()
     tensor = graph.placeholder("tensor")
-    token = graph.call_function(torch.ops.tensorstash.saved.default, (tensor,))
+    token = graph.call_function(torch.ops.tensorstash.saved.default, (tensor, SCHEME))
     graph.output((tensor, token))
     return graph
 
@@ -399,9 +409,54 @@ def _compile_starts(*_: Any) -> None:
     if top is None or not isinstance(top[0], _Pack):
         saved.append(None)
         return
-    patch = config.patch(activation_memory_budget=top[0].setting)
+    setting = top[0].setting
+    changes: dict[str, Any] = {"activation_memory_budget": setting}
+    if setting < 1.0:  # rule 7
+        changes["joint_custom_pass"] = _SaveRandom(config.joint_custom_pass)
+    patch = config.patch(**changes)
     patch.__enter__()
     saved.append(patch)
+
+
+class _SaveRandom:
+    """Rule 7: the joint-graph pass that marks the forward's random ops ``MUST_SAVE``,
+    then runs the pass the user set, if any.
+
+    Args:
+        then: the user's own ``joint_custom_pass`` (None: none).
+    """
+
+    def __init__(self, then: Callable[[fx.GraphModule, Any], fx.GraphModule] | None) -> None:
+        self.then = then
+
+    def __call__(self, joint: fx.GraphModule, inputs: Any) -> fx.GraphModule:
+        save_random_ops(joint.graph)
+        return joint if self.then is None else self.then(joint, inputs)
+
+
+def save_random_ops(joint: fx.Graph) -> int:
+    """Mark the random ops of a joint graph's forward ``MUST_SAVE`` (rule 7), except those
+    the user's own checkpointing already marked: how many were marked.
+
+    The backward's nodes are those that depend on a tangent; nothing there is marked.
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    backward: set[fx.Node] = set()
+    marked = 0
+    for node in joint.nodes:
+        tangent = node.op == "placeholder" and "tangents" in str(node.target)
+        if tangent or any(used in backward for used in node.all_input_nodes):
+            backward.add(node)
+        elif _is_random(node) and "recompute" not in node.meta:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            marked += 1
+    return marked
+
+
+def _is_random(node: fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ()) if node.op == "call_function" else ()
+    return torch.Tag.nondeterministic_seeded in tags
 
 
 def _compile_ends(*_: Any) -> None:
@@ -504,10 +559,10 @@ class CompilerPlan:
             if self.setting is None
             else f"activation_memory_budget={self.setting}"
         )
-        if self.random and self.setting is None and not self._fits():
-            asked = (
-                "nothing: the compiled graphs draw random numbers (dropout), which the "
-                "partitioner's memory budget recomputes with other values; they run untouched"
+        if self.random and self.setting is not None and self.setting < 1.0:
+            asked += (
+                ", its random ops (dropout) saved rather than recomputed; 0 is left out, "
+                "as it recomputes them too"
             )
         lines = [
             f"compiled code: budget {human_bytes(self.budget_bytes)} kept for backward; "
@@ -559,12 +614,16 @@ class CompiledSearch:
             self.settled = False
 
     def drew(self) -> None:
-        """A step's forward drew random numbers (rule 7): from now on the compiler is
-        asked for nothing, also where the plan was made before the model drew (in eval
-        mode, say)."""
+        """A step's forward drew random numbers (rule 7): from now on a budget of 0,
+        which recomputes random ops too, is never the plan, also where the plan was made
+        before the model drew (in eval mode, say)."""
         self.random = True
-        if self.settled and self.choice is not None:
+        if self.settled and not self._safe(self.choice):
             self.settled = False
+
+    def _safe(self, setting: float | None) -> bool:
+        """Whether steps at ``setting`` give the gradients the user's graphs give (rule 7)."""
+        return not (self.random and setting == 0.0)
 
     def setting_for_step(self) -> float | None:
         """The setting the next step runs at (None: push nothing)."""
@@ -577,7 +636,7 @@ class CompiledSearch:
         if 1.0 not in self.trials:
             return 1.0
         fits = self._fitting()
-        if 1.0 in fits or self.random:  # rule 7: no other setting is safe with randomness
+        if 1.0 in fits:
             return self._settle(None)
         for setting in self._to_compile(fits):
             if setting not in self.trials:
@@ -623,7 +682,9 @@ class CompiledSearch:
         return choice
 
     def _least_kept(self, fits: list[float]) -> float | None:
-        known = [t for t in self.trials.values() if t.kept_bytes is not None]
+        known = [
+            t for t in self.trials.values() if t.kept_bytes is not None and self._safe(t.setting)
+        ]
         fitting = [t for t in known if t.setting in fits] or known
         if not fitting:
             return None
@@ -633,12 +694,14 @@ class CompiledSearch:
         return [
             setting
             for setting, trial in self.trials.items()
-            if trial.kept_bytes is not None and trial.kept_bytes <= self.budget
+            if trial.kept_bytes is not None
+            and trial.kept_bytes <= self.budget
+            and self._safe(setting)
         ]
 
     def _to_compile(self, fits: list[float]) -> list[float]:
         """The settings still worth compiling: down to ``EXPLORE`` below the first fit."""
-        order = list(SETTINGS)
+        order = [setting for setting in SETTINGS if self._safe(setting)]
         if not fits:
             return order
         first = order.index(max(fits))
@@ -649,10 +712,11 @@ class CompiledSearch:
         backward's end cannot be seen, so it is never timed). A setting keeps the most
         any of its steps kept (rule 9): a plan that a larger step outgrows is made again."""
         trial = self.trials.setdefault(setting, Trial(setting))
+        grew = trial.kept_bytes is not None and kept > trial.kept_bytes
         trial.kept_bytes = kept if trial.kept_bytes is None else max(trial.kept_bytes, kept)
         trial.timable = tensors > 0
-        if self.settled and self.choice == setting and trial.kept_bytes > self.budget:
-            self.settled = False
+        if self.settled and self.choice == setting and grew and kept > self.budget:
+            self.settled = False  # outgrown; a plan chosen where none fits stays
 
     def timed(self, setting: float, seconds: float, peak: int, *, compiled: bool) -> None:
         """A step at ``setting`` took ``seconds`` (less its compiling) and grew real
