@@ -273,3 +273,17 @@ def test_bench_plot_without_matplotlib_fails_before_training(
     assert exit_info.value.code == 2
     assert "pip install tensorstash[plot]" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_bf16_gradients_are_close_within_a_rounding_and_not_past_a_wrong_mask() -> None:
+    """Under bfloat16 autocast a recompute that skips one rounding moves a gradient by
+    about bfloat16's epsilon; dropout drawn anew moves it by most of its norm."""
+    from tensorstash.bench.measure import BF16_CLOSE, _close_bf16
+
+    reference = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    rounded = reference.bfloat16().float()  # each element off by up to 2**-9 of itself
+    assert not torch.equal(rounded, reference) and _close_bf16(rounded, reference)
+    masked = reference * (torch.rand(256, 256, generator=torch.Generator().manual_seed(1)) > 0.1)
+    assert not _close_bf16(masked, reference)
+    assert not _close_bf16(reference * (1 + 2 * BF16_CLOSE), reference)
+    assert _close_bf16(torch.zeros(3), torch.zeros(3))

@@ -265,7 +265,7 @@ class StepRunner:
         grads = [p.grad for p in model.parameters()]
         if len(grads) != len(self.reference):
             return False
-        same = _close if close else torch.equal
+        same = (_close_bf16 if self.dtype == torch.bfloat16 else _close) if close else torch.equal
         return all(
             (g is None and r is None) or (g is not None and r is not None and same(g, r))
             for g, r in zip(grads, self.reference, strict=True)
@@ -292,6 +292,19 @@ class _OwnCode(nn.Module):
 
 def _close(a: Tensor, b: Tensor) -> bool:
     return torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-6)
+
+
+BF16_CLOSE = 1.6e-2
+"""Under bfloat16 autocast, gradients are close whose difference's norm is within this
+share of the reference's (twice bfloat16's epsilon). Inductor computes a bf16 region in
+float32 and rounds where it stores: a recomputed op fused into backward skips a rounding
+its forward made, which moves an HF GPT-2's gradients by 5e-3 of their norm; dropout
+recomputed with other random values moves them by 0.76."""
+
+
+def _close_bf16(a: Tensor, b: Tensor) -> bool:
+    reference = b.float()
+    return bool((a.float() - reference).norm() <= BF16_CLOSE * reference.norm() + 1e-12)
 
 
 def _grad_copy(parameter: Tensor) -> Tensor | None:
