@@ -128,6 +128,11 @@ def test_bench_compile_rows_reach_the_json(
     peer = next(row for row in data if row["policy"] == "compile:0.5")
     assert {"graphs", "timed_graphs", "compile_s", "grads_close"} <= set(peer)
     assert bench.Row.from_dict(peer) == compiled_rows["compile:0.5"]
+    auto = next(row for row in data if row["policy"] == "auto")
+    assert auto["plan_compiler"] == "nothing (the compiled graphs keep what fits)"
+    assert peer["plan_compiler"] is None
+    table = bench.format_table(list(compiled_rows.values()))
+    assert "auto: the compiler is asked for nothing" in table
 
 
 def test_bench_compile_title_says_compiled() -> None:

@@ -97,6 +97,20 @@ def test_pareto_front_compares_steps_by_their_same_round_ratios() -> None:
     assert [row.policy for row in bench.pareto_front(rows)] == ["none", "disk", "auto"]
 
 
+def test_pareto_front_keeps_rows_that_differ_by_noise() -> None:
+    """Three budgets that chose one plan: 0.1 MiB and 2% apart are the same point."""
+    rows = [
+        _row("none", 1.0, 100 * MIB),
+        _row("auto:25%", 1.08, int(35.9 * MIB)),
+        _row("auto:50%", 1.06, int(35.9 * MIB)),
+        _row("auto:75%", 1.08, 36 * MIB),
+        _row("slower", 1.10, 36 * MIB),  # 4% slower than auto:50%, no smaller: beaten
+        _row("larger", 1.06, 37 * MIB),  # as fast as auto:50%, 3% larger: beaten
+    ]
+    front = [row.policy for row in bench.pareto_front(rows)]
+    assert front == ["none", "auto:25%", "auto:50%", "auto:75%"]
+
+
 def test_plan_effect_compares_the_row_with_its_twin() -> None:
     row = _row(
         "auto:8MiB", 0.3, 8 * MIB,

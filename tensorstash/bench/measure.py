@@ -41,6 +41,8 @@ class PlanReading:
             comparison ]): no step under it still has to take its real peak
             (``Profile.peak_due``), and a plan that moves nothing has run a
             quiet step, after which it is made again once.
+        compiler: what a plan for compiled code asks the compiler for
+            (``CompilerPlan.asked``), else None.
     """
 
     predicted_step_s: float | None
@@ -48,6 +50,7 @@ class PlanReading:
     recompute: tuple[str, ...]
     base_step_s: float | None = None
     settled: bool = True
+    compiler: str | None = None
 
 
 def read_plan(session: Any) -> PlanReading | None:
@@ -72,6 +75,7 @@ def read_plan(session: Any) -> PlanReading | None:
         tuple(getattr(plan, "recompute", ()) or ()),
         float(base) if base else None,
         settled,
+        getattr(plan, "asked", None),
     )
 
 

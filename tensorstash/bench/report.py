@@ -98,8 +98,9 @@ def _notes(rows: Sequence[Row]) -> list[str]:
     if front:
         names = ", ".join(row.policy for row in front)
         lines.append(
-            "Pareto front (no variant with right gradients has both a lower real peak and "
-            f"a faster step, by same-round ratio to none): {names}"
+            "Pareto front (no variant with right gradients is as small and as fast, and "
+            "either 2% smaller or 3% faster by same-round ratio to none): "
+            f"{names}"
         )
     budgets = [row for row in rows if row.budget_bytes is not None]
     if budgets:
@@ -111,6 +112,8 @@ def _notes(rows: Sequence[Row]) -> list[str]:
     for row in rows:
         if row.plan_recompute:
             lines.append(f"{row.policy}: the plan recomputes {', '.join(row.plan_recompute)}")
+        if row.plan_compiler is not None:
+            lines.append(f"{row.policy}: the compiler is asked for {row.plan_compiler}")
     lines.extend(_learning(rows))
     lines.extend(_compiles(rows))
     return lines

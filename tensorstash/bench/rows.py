@@ -62,8 +62,11 @@ class Row:
             the same round carries that drift, and the ratio cancels it
             (rule 9 of the NOTE). A variant that wraps the blocks itself
             ("recompute") has a base that recomputes them all: its ratio is the
-            step over the predicted step.
+            step over the predicted step. A plan for compiled code has no base:
+            its ratio is the step over the predicted step too.
         plan_recompute: the modules the last timed step's plan recomputed.
+        plan_compiler: what the last timed step's plan asked the compiler for (a
+            plan for compiled code), else None.
         no_plan_step_times, no_plan_peak_bytes: with ``twins``, each timed step
             of the same Auto without a plan (rule 6 of the NOTE).
         skipped: why the variant did not run (an optional peer), else None.
@@ -99,6 +102,7 @@ class Row:
     step_over_predicted: float | None = None
     peak_over_predicted: float | None = None
     plan_recompute: tuple[str, ...] = ()
+    plan_compiler: str | None = None
     no_plan_step_times: tuple[float, ...] = ()
     no_plan_peak_bytes: tuple[int, ...] = ()
     skipped: str | None = None
@@ -236,9 +240,12 @@ def summarize(
         step_peak_bytes=peaks,
         predicted_step_s=_median_of(p for _, p in step_plans),
         predicted_peak_bytes=_int_or_none(_median_of(p for _, p in peak_plans)),
-        step_over_predicted=_median_of(m / p for m, p in overhead_plans),
+        # A plan with no base (compiled code's: its steps at the default partitioner are
+        # not all timed) is held against the steps themselves.
+        step_over_predicted=_median_of(m / p for m, p in overhead_plans or step_plans),
         peak_over_predicted=_median_of(m / p for m, p in peak_plans),
         plan_recompute=plans[-1][1].recompute if plans else (),
+        plan_compiler=plans[-1][1].compiler if plans else None,
         warmup_steps=len(checked),
         graphs=sum(r.graphs for r in (*checked, *steps)),
         timed_graphs=sum(r.graphs for r in steps),
@@ -274,12 +281,21 @@ def _int_or_none(value: float | None) -> int | None:
     return None if value is None else int(value)
 
 
+STEP_MARGIN = 0.03
+"""A step is faster than another's where it takes under 0.97 of it: two rows of one plan
+differ by about that from round to round."""
+PEAK_MARGIN = 0.02
+"""A real peak is lower than another's where it is under 0.98 of it."""
+
+
 def pareto_front(rows: Sequence[Row]) -> list[Row]:
     """The rows no other row beats on both real peak and step time (skipped rows aside,
     and rows whose gradients are wrong: neither equal nor close to the reference's).
 
-    A row is dominated when another has a real peak at or below its own and a
-    step time at or below its own, one of the two strictly below. Step times
+    A row is dominated when another is better on one of the two, by more than
+    the measurement's noise (:data:`STEP_MARGIN`, :data:`PEAK_MARGIN`), and no
+    worse on the other: rows of one plan, which differ by noise, do not beat
+    each other. Step times
     compare as the rows' overheads, medians of same-round ratios to no stash's
     step (rule 9 of the NOTE): on a noisy machine the medians of the steps
     themselves, taken in different rounds, can rank two variants the other way
@@ -293,6 +309,11 @@ def pareto_front(rows: Sequence[Row]) -> list[Row]:
     points = [(row, peak, row.overhead) for row, peak in measured if peak is not None]
 
     def beaten(peak: int, step_s: float) -> bool:
-        return any(p <= peak and s <= step_s and (p < peak or s < step_s) for _, p, s in points)
+        return any(
+            p <= peak
+            and s <= step_s
+            and (p < peak * (1 - PEAK_MARGIN) or s < step_s * (1 - STEP_MARGIN))
+            for _, p, s in points
+        )
 
     return [row for row, peak, step_s in points if not beaten(peak, step_s)]

@@ -552,6 +552,14 @@ class CompilerPlan:
     def _fits(self) -> bool:
         return self.kept_bytes is not None and self.kept_bytes <= self.budget_bytes
 
+    @property
+    def asked(self) -> str:
+        """What the compiler is asked for, in a few words."""
+        if self.setting is None:
+            return "nothing (the compiled graphs keep what fits)"
+        saved = ", random ops saved" if self.random and self.setting < 1.0 else ""
+        return f"activation_memory_budget={self.setting}{saved}"
+
     def table(self) -> str:
         """The plan for people: the budget, what the compiler was asked for, each trial."""
         asked = (
