@@ -293,3 +293,26 @@ def test_a_step_whose_backward_ran_inside_its_session_ends_when_it_closes() -> N
     assert step not in compiler._PENDING and step.lease is None
     trial = search.trials[0.5]
     assert len(trial.seconds) == 1 and len(trial.peaks) == 1
+
+
+def test_a_settled_plans_steps_are_timed_and_take_no_real_peak() -> None:
+    """Rule 5: the prediction follows the plan's last steps, as the machine runs them now."""
+    search = CompiledSearch(budget=13 * MIB)
+    search.device = torch.device("cpu")
+    search.measured(1.0, 64 * MIB, 5)
+    search.measured(0.5, KEPT[0.5], 5)
+    search.timed(0.5, 1.0, 40 * MIB, compiled=False)
+    search._settle(0.5)
+    for _ in range(compiler.WINDOW + 2):
+        step = compiler.CompiledStep(
+            search, 0.5, 0, torch.device("cpu"), known=True, pool=None, peak=False
+        )
+        assert step.meter is None
+        step.count.bytes, step.count.tensors = KEPT[0.5], 5
+        step.exited()
+        compiler._backward_ended()
+    trial = search.trials[0.5]
+    assert len(trial.seconds) == compiler.WINDOW and trial.peaks == [40 * MIB]
+    assert 1.0 not in trial.seconds  # the search's own step has left the window
+    assert search.setting_for_step() == 0.5
+    assert search.plan().predicted_step_s == trial.step_s < 1.0

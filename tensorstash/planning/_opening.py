@@ -91,8 +91,10 @@ def compiled_planning(auto: Any, ctx: Context, min_bytes: int) -> CompiledStepPl
     setting = search.setting_for_step()
     if setting is None:
         return CompiledStepPlanning(Opening(State.QUIET), search)
-    timed = None if search.settled else device  # rule 5: settled steps are not timed
-    step = compiler.CompiledStep(search, setting, min_bytes, timed, known=True)
+    # Rule 5: a settled plan's steps are timed, and take no real peak.
+    step = compiler.CompiledStep(
+        search, setting, min_bytes, device, known=True, peak=not search.settled
+    )
     pair = CompiledPair(step, profile, whole=True)
     return CompiledStepPlanning(Opening(State.QUIET, pair), search)
 

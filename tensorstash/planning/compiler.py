@@ -60,8 +60,10 @@
    takes as few as it can. Steps compare by their fastest timing (other work
    on a machine slows a step, never speeds it), and a setting that keeps
    less than the choice, left out on one step's time, is stepped once more.
-   Once settled, steps are no longer timed (the real-memory meter costs a
-   little).
+   Once settled, steps take no real peak (the real-memory meter costs a
+   little) but are still timed: the plan's predicted step is the median of
+   its setting's last ``WINDOW`` steps, as the machine runs them now, not only
+   the one or two the search took.
 6. A step that runs compiled code is planned whole by the search: tensors
    saved by eager code in such a step are kept where they are (counted).
 7. Random ops are saved, never recomputed. Below 1.0 the partitioner's
@@ -138,6 +140,9 @@ EXPLORE = 2
 SCHEME = "random-saved"
 """What compiling under a pair does to the joint graph (rule 7); named in the pack graph,
 so that the compile cache keys it."""
+WINDOW = 16
+"""The steps of a setting whose times make its step (rule 5): a settled plan's steps are
+timed too, and its predicted step follows the last of them."""
 POOL_LEAST = 8 << 20
 """The least cap of the session pool a step at a setting leases on the CPU (rule 10)."""
 
@@ -726,16 +731,19 @@ class CompiledSearch:
         if self.settled and self.choice == setting and grew and kept > self.budget:
             self.settled = False  # outgrown; a plan chosen where none fits stays
 
-    def timed(self, setting: float, seconds: float, peak: int, *, compiled: bool) -> None:
+    def timed(self, setting: float, seconds: float, peak: int | None, *, compiled: bool) -> None:
         """A step at ``setting`` took ``seconds`` (less its compiling) and grew real
-        memory by ``peak``; a step that ``compiled`` gives its time only."""
+        memory by ``peak`` (None: not taken); a step that ``compiled`` gives its time
+        only. A setting keeps its last :data:`WINDOW` times."""
         trial = self.trials.get(setting)
         if trial is None:
             return
         if compiled:
             trial.compiling_s.append(seconds)
-        else:
-            trial.seconds.append(seconds)
+            return
+        trial.seconds.append(seconds)
+        del trial.seconds[:-WINDOW]
+        if peak is not None:
             trial.peaks.append(peak)
 
     def plan(self) -> CompilerPlan:
@@ -793,13 +801,14 @@ class CompiledStep:
             device once the step has run (the first step: the budget depends on it).
         setting: the setting of the pair pushed.
         min_bytes: the session's floor (rule 3).
-        device: where the step runs, for its real peak (None: not known yet, or
-            not measured).
+        device: where the step runs, for its time and real peak (None: not known
+            yet, or not timed).
         known: the profile's steps ran compiled code before (a step that keeps
             nothing still ran it).
         pool: the cap of the session pool a step on the CPU leases (rule 10): "auto"
             for a quarter of what the graphs keep at 1.0 (at least ``POOL_LEAST``),
             bytes, or None for no lease (``Auto``'s ``trim_every``).
+        peak: take the step's real peak (a settled plan's step takes its time only).
     """
 
     def __init__(
@@ -811,6 +820,7 @@ class CompiledStep:
         *,
         known: bool = False,
         pool: int | str | None = "auto",
+        peak: bool = True,
     ) -> None:
         self.search = search
         self.setting = setting
@@ -828,7 +838,7 @@ class CompiledStep:
         self.compiling_s = _CLOCK.read()
         self.backward_before = _last_backward_end()
         self.start = time.perf_counter()
-        self.meter = meter(device, sync=False) if device is not None else None
+        self.meter = meter(device, sync=False) if device is not None and peak else None
         if self.meter is not None:
             self.meter.start()
 
@@ -875,8 +885,7 @@ class CompiledStep:
             return
         compiling = _CLOCK.read() - self.compiling_s
         compiled = self.compiled or compiling > 0
-        if compiled or peak is not None:
-            search.timed(self.setting, ended - self.start - compiling, peak or 0, compiled=compiled)
+        search.timed(self.setting, ended - self.start - compiling, peak, compiled=compiled)
 
     def _stop(self) -> int | None:
         if self.meter is None:
