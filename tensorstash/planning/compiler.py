@@ -570,13 +570,10 @@ class CompilerPlan:
         asked = (
             "nothing: the compiled graphs keep what fits, and run untouched"
             if self.setting is None
-            else f"activation_memory_budget={self.setting}"
+            else self.asked
         )
         if self.random and self.setting is not None and self.setting < 1.0:
-            asked += (
-                ", its random ops (dropout) saved rather than recomputed; 0 is left out, "
-                "as it recomputes them too"
-            )
+            asked += " (dropout's draws kept; 0 is left out, as it recomputes them too)"
         lines = [
             f"compiled code: budget {human_bytes(self.budget_bytes)} kept for backward; "
             f"the compiler is asked for {asked}" + ("" if self.settled else " (still searching)")
