@@ -111,6 +111,22 @@ def test_pareto_front_keeps_rows_that_differ_by_noise() -> None:
     assert front == ["none", "auto:25%", "auto:50%", "auto:75%"]
 
 
+def test_pareto_front_takes_a_step_as_faster_by_its_rounds() -> None:
+    """A sign test over the rounds: one plan's rows, 10% apart in their medians but each
+    the faster in half the rounds, do not beat each other; a row 1% faster in every one
+    of 8 rounds does."""
+    even = (1.0, 1.3, 1.0, 1.3, 1.0, 1.3, 1.2, 1.2)
+    odd = (1.3, 1.0, 1.3, 1.0, 1.3, 1.0, 1.1, 1.1)
+    rows = [
+        _row("none", 1.0, 100 * MIB, step_times=(1.0,) * 8),
+        _row("a", 1.2, 30 * MIB, overhead=1.2, step_times=even),
+        _row("b", 1.1, 30 * MIB, overhead=1.1, step_times=odd),
+        _row("slower", 1.11, 30 * MIB, overhead=1.11, step_times=tuple(t * 1.01 for t in odd)),
+    ]
+    assert [row.policy for row in bench.pareto_front(rows)] == ["none", "a", "b"]
+    assert bench.rows.faster(rows[2], rows[3]) and not bench.rows.faster(rows[2], rows[1])
+
+
 def test_plan_effect_compares_the_row_with_its_twin() -> None:
     row = _row(
         "auto:8MiB", 0.3, 8 * MIB,

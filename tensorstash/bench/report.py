@@ -99,8 +99,8 @@ def _notes(rows: Sequence[Row]) -> list[str]:
         names = ", ".join(row.policy for row in front)
         lines.append(
             "Pareto front (no variant with right gradients is as small and as fast, and "
-            "either 2% smaller or 3% faster by same-round ratio to none): "
-            f"{names}"
+            "either 2% smaller or faster in enough rounds that chance would not do it "
+            f"once in 100): {names}"
         )
     budgets = [row for row in rows if row.budget_bytes is not None]
     if budgets:

@@ -282,19 +282,25 @@ def _int_or_none(value: float | None) -> int | None:
 
 
 STEP_MARGIN = 0.03
-"""A step is faster than another's where it takes under 0.97 of it: two rows of one plan
-differ by about that from round to round."""
+"""Without steps round by round to compare, a step is faster than another's where its
+overhead is under 0.97 of the other's."""
 PEAK_MARGIN = 0.02
 """A real peak is lower than another's where it is under 0.98 of it."""
+SIGNIFICANCE = 0.01
+"""A row's step is faster than another's where it was the faster of the two in so many of
+their rounds that a coin would do as well at most this often (a sign test)."""
 
 
 def pareto_front(rows: Sequence[Row]) -> list[Row]:
     """The rows no other row beats on both real peak and step time (skipped rows aside,
     and rows whose gradients are wrong: neither equal nor close to the reference's).
 
-    A row is dominated when another is better on one of the two, by more than
-    the measurement's noise (:data:`STEP_MARGIN`, :data:`PEAK_MARGIN`), and no
-    worse on the other: rows of one plan, which differ by noise, do not beat
+    A row is dominated when another is better on one of the two beyond the
+    measurement's noise, and no worse on the other. A real peak is better
+    where it is :data:`PEAK_MARGIN` lower. A step is better where, round by
+    round, the other row's step was the shorter so often that chance would
+    do it at most :data:`SIGNIFICANCE` of the time (:func:`faster`): two rows
+    of one plan, whose medians differ by 10% on a noisy machine, do not beat
     each other. Step times
     compare as the rows' overheads, medians of same-round ratios to no stash's
     step (rule 9 of the NOTE): on a noisy machine the medians of the steps
@@ -308,12 +314,25 @@ def pareto_front(rows: Sequence[Row]) -> list[Row]:
     ]
     points = [(row, peak, row.overhead) for row, peak in measured if peak is not None]
 
-    def beaten(peak: int, step_s: float) -> bool:
+    def beaten(row: Row, peak: int, step_s: float) -> bool:
         return any(
-            p <= peak
-            and s <= step_s
-            and (p < peak * (1 - PEAK_MARGIN) or s < step_s * (1 - STEP_MARGIN))
-            for _, p, s in points
+            p <= peak and s <= step_s and (p < peak * (1 - PEAK_MARGIN) or faster(other, row))
+            for other, p, s in points
+            if other is not row
         )
 
-    return [row for row, peak, step_s in points if not beaten(peak, step_s)]
+    return [row for row, peak, step_s in points if not beaten(row, peak, step_s)]
+
+
+def faster(a: Row, b: Row) -> bool:
+    """Whether ``a``'s step is shorter than ``b``'s beyond noise: in the rounds both ran,
+    ``a`` was the faster so often that a fair coin would match it at most
+    :data:`SIGNIFICANCE` of the time, or, with every round won and too few rounds for
+    that, in all of them. Rows without their rounds compare overheads (:data:`STEP_MARGIN`).
+    """
+    pairs = list(zip(a.step_times, b.step_times, strict=False))
+    if not pairs or len(a.step_times) != len(b.step_times):
+        return a.overhead < b.overhead * (1 - STEP_MARGIN)
+    wins, n = sum(x < y for x, y in pairs), len(pairs)
+    chance = sum(math.comb(n, k) for k in range(wins, n + 1)) / 2**n
+    return wins == n or chance <= SIGNIFICANCE
