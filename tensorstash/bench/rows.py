@@ -330,9 +330,9 @@ def faster(a: Row, b: Row) -> bool:
     :data:`SIGNIFICANCE` of the time, or, with every round won and too few rounds for
     that, in all of them. Rows without their rounds compare overheads (:data:`STEP_MARGIN`).
     """
-    pairs = list(zip(a.step_times, b.step_times, strict=False))
-    if not pairs or len(a.step_times) != len(b.step_times):
+    n = len(a.step_times)
+    if not n or n != len(b.step_times):
         return a.overhead < b.overhead * (1 - STEP_MARGIN)
-    wins, n = sum(x < y for x, y in pairs), len(pairs)
+    wins = sum(x < y for x, y in zip(a.step_times, b.step_times, strict=True))
     chance = sum(math.comb(n, k) for k in range(wins, n + 1)) / 2**n
     return wins == n or chance <= SIGNIFICANCE
