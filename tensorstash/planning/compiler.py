@@ -554,15 +554,18 @@ class CompilerPlan:
     base_step_s: float | None = None
     fits = True
 
-    def _fits(self) -> bool:
-        return self.kept_bytes is not None and self.kept_bytes <= self.budget_bytes
+    @property
+    def saves_random(self) -> bool:
+        """Whether the compiler is asked for a budget that keeps the random ops' draws
+        (rule 7): the graphs draw, and the setting is below 1.0."""
+        return self.random and self.setting is not None and self.setting < 1.0
 
     @property
     def asked(self) -> str:
         """What the compiler is asked for, in a few words."""
         if self.setting is None:
             return "nothing (the compiled graphs keep what fits)"
-        saved = ", random ops saved" if self.random and self.setting < 1.0 else ""
+        saved = ", random ops saved" if self.saves_random else ""
         return f"activation_memory_budget={self.setting}{saved}"
 
     def table(self) -> str:
@@ -572,7 +575,7 @@ class CompilerPlan:
             if self.setting is None
             else self.asked
         )
-        if self.random and self.setting is not None and self.setting < 1.0:
+        if self.saves_random:
             asked += " (dropout's draws kept; 0 is left out, as it recomputes them too)"
         lines = [
             f"compiled code: budget {human_bytes(self.budget_bytes)} kept for backward; "
