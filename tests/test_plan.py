@@ -1111,7 +1111,7 @@ def test_plan_on_cuda_prices_no_copy_at_the_step_that_first_copied() -> None:
     link = Rates(link=1e12)
     profile = copied_only(1.0)
     profile.history.pop()
-    profile.history[0].first_copy = True
+    profile.history[0].first_move = True
     profile.history.append(StepRecord(0.1, 0.202, 9 * MiB, None, ("a",), recompute_s=0.002))
     for record in profile.history:
         record.cold = True  # each took the real peak of its plan: no warm step yet
@@ -1125,18 +1125,45 @@ def test_plan_on_cuda_prices_no_copy_at_the_step_that_first_copied() -> None:
     assert plan is not None and plan.recompute == ("a",) and not plan.tiers
 
 
-def test_profile_marks_the_steps_that_copy_more_than_any_before() -> None:
+def test_plan_on_the_cpu_prices_no_spill_at_the_step_that_first_spilled() -> None:
+    # Rule 9 on the CPU: the first step to spill so many bytes made the spill directory,
+    # its file and the page cache's pages, and every measured step is cold. Priced at it,
+    # the spill lost to recomputing for good, though a step that spills runs as fast as
+    # recomputing every block and holds less (the bench's small model at 25%).
+    disk = Rates(disk=1e9)
+    profile = two_blocks(cheap_s=0.02, dear_s=0.02)
+    profile.history[0].cold = True
+    profile.history.append(
+        StepRecord(0.34, 0.68, 9 * MiB, None, ("a",), recompute_s=0.02, cold=True)
+    )
+    plan = make_plan(profile, 9 * MiB, rates=disk)
+    assert plan is not None and set(plan.tiers.values()) == {"disk"} and not plan.recompute
+    first = StepRecord(
+        0.5, 1.0, 8 * MiB, None, (), 0.01, {"disk": 8 * MiB}, cold=True, first_move=True
+    )
+    profile.history.append(first)
+    plan = make_plan(profile, 9 * MiB, rates=disk)
+    assert plan is not None and set(plan.tiers.values()) == {"disk"} and not plan.recompute
+    # A later step that spilled at that cost, cold or not, prices it: recomputing wins.
+    again = StepRecord(0.5, 1.0, 8 * MiB, None, (), 0.01, {"disk": 8 * MiB}, cold=True)
+    profile.history.append(again)
+    plan = make_plan(profile, 9 * MiB, rates=disk)
+    assert plan is not None and plan.recompute == ("a",) and not plan.tiers
+
+
+def test_profile_marks_the_steps_that_move_more_than_any_before() -> None:
     model, profile = fresh(), ts.Profile()
-    for policy, rows in (("keep", 512), ("lz4", 512), ("lz4", 128)):
+    steps = (("keep", 512), ("lz4", 512), ("lz4", 128), ("disk", 128), ("disk", 128))
+    for policy, rows in steps:
         model.zero_grad(set_to_none=True)
         with ts.stash(policy, profile=profile):
             loss = model(torch.zeros(rows, 256))  # zeros: lz4 keeps them compressed
         loss.backward()
-    assert [r.first_copy for r in profile.history] == [False, True, False]
+    assert [r.first_move for r in profile.history] == [False, True, False, True, False]
     assert profile.history[1].moved["host"] > profile.history[2].moved["host"] > 0
     restored = ts.Profile()
     restored.load_state_dict(profile.state_dict())
-    assert [r.first_copy for r in restored.history] == [False, True, False]
+    assert [r.first_move for r in restored.history] == [False, True, False, True, False]
 
 
 def test_plan_on_cuda_takes_a_copying_step_as_its_base_and_prices_no_faults() -> None:
@@ -1312,6 +1339,49 @@ def test_profile_records_what_each_step_faulted_in() -> None:
     assert restored.quiet_history[-1].faulted_bytes >= 16 * MiB
 
 
+def test_disk_probe_spills_as_diskspill_does_and_leaves_nothing(tmp_path: Any) -> None:
+    from tensorstash.planning import _rates
+
+    assert _rates._probe_disk(str(tmp_path)) > 0
+    assert list(tmp_path.iterdir()) == []  # a file with no name, closed
+    assert _rates._probe_disk("/proc") == 0.0  # a parent that takes no file: no rate
+
+
+@pytest.mark.parametrize("spare", [False, True])
+def test_disk_rate_counts_contention_only_where_the_writer_has_a_core(
+    monkeypatch: pytest.MonkeyPatch, spare: bool
+) -> None:
+    # NOTE [ Spill files ] rule 3: with every core torch's, the training thread spills
+    # as it packs, as the probe does; a writer thread of its own takes the interpreter.
+    from tensorstash.planning import _auto_plan, _rates
+
+    monkeypatch.setattr(_rates, "disk_rate", lambda directory: 1e9)
+    monkeypatch.setattr(_rates, "compress_rate", lambda: 6e8)
+    cores = torch.get_num_threads() + (1 if spare else 0)
+    monkeypatch.setattr(_auto_plan, "usable_cores", lambda: cores)
+    auto, model = ts.Auto(recompute=False), fresh()
+    rates = _auto_plan.rates(auto, ts.Profile(), 0, "cpu", model)
+    assert rates.disk == pytest.approx(1e9 / _auto_plan.CPU_CONTENTION if spare else 1e9)
+    assert rates.compress == pytest.approx(6e8 / _auto_plan.CPU_CONTENTION)
+
+
+def test_rates_are_not_probed_against_a_test_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A profile's ticks are not the probes' seconds: the defaults stand, the same every run.
+    from tensorstash.planning import _auto_plan, _rates
+
+    def probed(*args: Any) -> float:
+        raise AssertionError("probed")
+
+    for name in ("disk_rate", "compress_rate", "refault_rate"):
+        monkeypatch.setattr(_rates, name, probed)
+    rates = _auto_plan.rates(ts.Auto(recompute=False), ticking(), 0, "cpu", fresh())
+    assert (rates.disk, rates.compress, rates.refault) == (
+        Rates.disk,
+        Rates.compress,
+        Rates.refault,
+    )
+
+
 def test_refault_probe_measures_a_rate() -> None:
     from tensorstash.planning import _rates
 
@@ -1411,6 +1481,32 @@ def test_autos_that_trim_differently_share_a_profile_without_sharing_a_plan() ->
     assert sessions[-1].plan is not None and sessions[-1].plan.returns_memory
     (session,) = train(model, 1, ts.Auto(device_budget=budget, trim_every=None), profile)
     assert session.plan is not None and not session.plan.returns_memory
+
+
+@pytest.mark.parametrize("spilled_peak_mib", [30, 50])
+def test_plan_spills_every_site_where_that_is_as_fast_and_its_steps_held_less(
+    spilled_peak_mib: int,
+) -> None:
+    # Rule 11 (the bench's small model at 25%): recomputing and spilling tie within the
+    # steps' noise, and rule 7 takes the plan that only recomputes; the steps that
+    # spilled held less at the real peak, so spilling every site is the better plan.
+    profile = two_blocks(cheap_s=0.05, dear_s=0.4)
+    spilled = StepRecord(1 / 3, 2 / 3, 8 * MiB, spilled_peak_mib * MiB, (), 0.0, {"disk": 8 * MiB})
+    profile.history.append(spilled)
+    profile.peaks.append(spilled)
+    recomputed = StepRecord(1.05 / 3, 2.1 / 3, 9 * MiB, 40 * MiB, ("a",), recompute_s=0.05)
+    profile.history.append(recomputed)
+    profile.peaks.append(recomputed)
+    profile.peak = recomputed
+    for seconds in (1.05, 1.15, 0.95):  # quiet steps that recomputed "a", and their noise
+        profile.quiet_history.append(StepRecord(seconds / 3, 2 * seconds / 3, 0, None, ("a",)))
+    plan = make_plan(profile, 9 * MiB, trims=True)
+    assert plan is not None
+    if spilled_peak_mib < 40:
+        assert not plan.recompute and len(plan.tiers) == len(profile.last)  # every site
+        assert set(plan.tiers.values()) == {"disk"} and plan.held_bytes == 0
+    else:  # the spills held more: the plan that only recomputes stays
+        assert plan.recompute == ("a",) and not plan.tiers
 
 
 def test_plan_takes_the_plan_that_only_recomputes_within_the_noise_of_quiet_steps() -> None:

@@ -16,6 +16,7 @@ from tensorstash.core.stats import human_bytes
 from tensorstash.memory import _pool
 from tensorstash.planning import _rates
 from tensorstash.planning.plan import Plan, Rates, make_plan
+from tensorstash.tiers._spillwork import usable_cores
 
 CPU_CONTENTION = 3.0
 """How much more a byte moved on a busy CPU costs the step than a probe of it took."""
@@ -56,16 +57,24 @@ def rates(auto: Any, profile: Any, budget: int, device_type: str, root: nn.Modul
     """The speeds of moving bytes, probed now (see _rates.py)."""
     device = next((p.device for p in root.parameters()), torch.device(device_type))
     region_s, saved_s = region_cost(auto, profile, budget, device)
+    if profile.clock is not time.perf_counter:
+        # A test's ticks: the probes' seconds would not be the clock's, and what they read
+        # would change the plan from one run to the next. The defaults stand.
+        return Rates(region_s=region_s, saved_s=saved_s)
     if device_type == "cuda":
         return Rates(link=_rates.link_rate(device), region_s=region_s, saved_s=saved_s)
-    # On the CPU the writer and the compressor run on the cores the step runs
-    # on, and take the interpreter from it between their calls: a probe alone
-    # says too little. Until a step measured it (Plan rule 6), a byte costs
-    # CPU_CONTENTION times what the probe took.
+    # On the CPU the compressor, and the writer where it has a core of its own (NOTE
+    # [ Spill files ] rule 3), run on threads that take the interpreter from the step
+    # between their calls: a probe alone says too little. Until a step measured it (Plan
+    # rule 6), a byte they move costs CPU_CONTENTION times what the probe took. Where
+    # the step's cores are all torch's, the training thread spills as it packs, as the
+    # probe does: a byte costs what the probe took.
     disk, lz4 = _rates.disk_rate(auto.directory), _rates.compress_rate()
+    if usable_cores() > torch.get_num_threads():
+        disk /= CPU_CONTENTION
     refault = _rates.refault_rate() or Rates.refault  # what the step pays: NOTE [ Plan ] 8
     return Rates(
-        disk=disk / CPU_CONTENTION,
+        disk=disk,
         compress=lz4 / CPU_CONTENTION,
         refault=refault,
         region_s=region_s,

@@ -125,8 +125,8 @@ class Calibration:
         alone, the median weighted by their bytes."""
         per_byte: dict[str, list[tuple[float, int]]] = {}
         for s in self._moving_steps(steps):
-            if len(s.moved) != 1 or (s.first_copy and self.device == "cuda"):
-                continue  # rule 9: its copies include allocating pinned buffers
+            if len(s.moved) != 1 or s.first_move:
+                continue  # rule 9: it made what moving uses (pinned buffers, a spill file)
             ((tier, nbytes),) = s.moved.items()
             extra = s.seconds - self.base_s - self.cost_of(s)
             per_byte.setdefault(tier, []).append((max(extra, 0.0) / nbytes, nbytes))
@@ -256,10 +256,11 @@ class Calibration:
 def step_noise(profile: Profile) -> float:
     """Rule 7: how far a step's time strays: the median of the distances from the
     median, over the quiet steps or over the hooked ones, the larger (0.0 where
-    neither has three)."""
+    neither has three). A step that first moved so many bytes (rule 9) is left out:
+    its time is what making the tier took, not noise."""
     spreads = [0.0]
     for steps in (profile.quiet_history, profile.history):
-        seconds = [s.seconds for s in steps]
+        seconds = [s.seconds for s in steps if not s.first_move]
         if len(seconds) >= 3:
             middle = statistics.median(seconds)
             spreads.append(statistics.median(abs(t - middle) for t in seconds))

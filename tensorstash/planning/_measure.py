@@ -238,8 +238,10 @@ class Step:
             self.modules[path].forward_s += timer.seconds(start, stop)
         recompute_s = self.profile.take_recompute_seconds(self.recomputed)
         checkpointed_s = take_user_recompute_seconds()
-        first_copy = moved["host"] > self.profile._most_copied
-        self.profile._most_copied = max(self.profile._most_copied, moved["host"])
+        most = self.profile._most_moved
+        first_move = any(nbytes > most.get(tier, 0) for tier, nbytes in moved.items())
+        for tier, nbytes in moved.items():
+            most[tier] = max(most.get(tier, 0), nbytes)
         record = StepRecord(
             forward_s=timer.seconds(self._begun, self._forward_end),
             backward_s=timer.seconds(self._forward_end, end),
@@ -253,7 +255,7 @@ class Step:
             faulted_bytes=faulted_since(self.faults) or 0,
             trim_s=stats.returned_seconds + mapping_s() - self._mapped,
             checkpointed_s=checkpointed_s,
-            first_copy=first_copy,
+            first_move=first_move,
         )
         self.profile._finished(self, record)
 

@@ -4,7 +4,8 @@
 The format is :data:`STATE_VERSION`; a state of another version is refused with
 the fix. Keys this version gained later (``quiet_history``, ``aside``, ``inputs``,
 ``peaks``, and a step's ``faulted_bytes``, ``trim_s``, ``checkpointed_s``,
-``first_copy``) may be absent: a state saved before them loads with their defaults.
+``first_move``, once ``first_copy``) may be absent: a state saved before them loads
+with their defaults.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def _step_row(record: StepRecord) -> dict[str, Any]:
         "faulted_bytes": record.faulted_bytes,
         "trim_s": record.trim_s,
         "checkpointed_s": record.checkpointed_s,
-        "first_copy": record.first_copy,
+        "first_move": record.first_move,
     }
 
 
@@ -162,7 +163,7 @@ def _step_record(row: dict[str, Any]) -> StepRecord:
         faulted_bytes=int(row.get("faulted_bytes", 0)),  # absent in older states
         trim_s=float(row.get("trim_s", 0.0)),
         checkpointed_s=None if row.get("checkpointed_s") is None else float(row["checkpointed_s"]),
-        first_copy=bool(row.get("first_copy", False)),
+        first_move=bool(row.get("first_move", row.get("first_copy", False))),
     )
 
 

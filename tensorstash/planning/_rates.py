@@ -17,20 +17,21 @@ import os
 import statistics
 import tempfile
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import lz4.block
 import torch
+import xxhash
 
 from tensorstash.core._layout import memory
+from tensorstash.tiers import _spillfile
 
 LINK_BYTES_PER_S = 20e9
 """Device to host and back (PCIe), until probed (:func:`link_rate`)."""
 DISK_BYTES_PER_S = 0.45e9
-"""Spill write, read and checksum, per second of a busy CPU, until probed (:func:`disk_rate`)."""
+"""Spill write, read back and checksums, per second, until probed (:func:`disk_rate`)."""
 LZ4_BYTES_PER_S = 0.6e9
 """lz4 compression and decompression of activations, per second of CPU, until probed."""
 LZ4_RATIO = 1.5
@@ -72,33 +73,52 @@ def _reused(key: object, probe: Callable[[], float]) -> float:
 
 
 def disk_rate(directory: str | None) -> float:
-    """Bytes per second of writing, reading back and checksumming a file in ``directory``."""
+    """Bytes per second of spilling a value to ``directory`` and reading it back, as
+    ``DiskSpill`` does."""
     parent = directory if directory is not None else tempfile.gettempdir()
     return _reused(("disk", parent), lambda: _probe_disk(parent))
 
 
 def _probe_disk(parent: str) -> float:
-    data = os.urandom(PROBE_BYTES)
-    buffer = bytearray(PROBE_BYTES)
+    """What ``DiskSpill`` does to a value, timed (NOTE [ Spill files ] rule 4 in disk.py):
+    written in hashed pieces into a file with no name, mapped back, read in and hashed,
+    unmapped, and the file closed (which frees its pages). Zero where ``parent`` takes
+    no file."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randint(0, 256, (PROBE_BYTES,), dtype=torch.uint8, generator=generator)
+    view = memory(values)
+    start = time.perf_counter()
+    fd = _nameless(parent)
+    if fd is None:
+        return 0.0
+    try:
+        digest = _spillfile.write_views(fd, [view], 0)
+        with mmap.mmap(fd, PROBE_BYTES, mmap.MAP_SHARED) as region:
+            populate = _spillfile._POPULATE_READ
+            if populate is not None:
+                with contextlib.suppress(OSError):
+                    region.madvise(populate)
+            with memoryview(region) as back:
+                if xxhash.xxh3_64_intdigest(back) != digest:
+                    return 0.0
+    except OSError:
+        return 0.0
+    finally:
+        os.close(fd)
+    return PROBE_BYTES / max(time.perf_counter() - start, 1e-6)
+
+
+def _nameless(parent: str) -> int | None:
+    """A file in ``parent`` with no name, as spill files are (rule 2 there), or None."""
+    with contextlib.suppress(OSError, AttributeError):
+        return os.open(parent, os.O_TMPFILE | os.O_RDWR, 0o600)
     try:
         fd, path = tempfile.mkstemp(prefix="tensorstash-probe-", dir=parent)
     except OSError:
-        return 0.0
-    start = time.perf_counter()
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        crc = zlib.crc32(data)
-        os.lseek(fd, 0, os.SEEK_SET)
-        got = os.readv(fd, [buffer])
-        if got != PROBE_BYTES or zlib.crc32(buffer) != crc:
-            return 0.0
-    finally:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-    return PROBE_BYTES / max(time.perf_counter() - start, 1e-6)
+        return None
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    return fd
 
 
 def compress_rate() -> float:

@@ -93,10 +93,11 @@ class StepRecord:
         checkpointed_s: seconds backward spent recomputing the modules the
             user wraps with ``recompute`` (NOTE [ Recompute ] rule 7), or None
             where none was timed.
-        first_copy: it moved more bytes to the host tier than any step of
-            this process before it: on CUDA it allocated the pinned buffers
-            its copies use, and its time does not say what a copy costs
-            (NOTE [ Plan ] rule 9).
+        first_move: it moved more bytes to a tier than any step of its
+            profile before it: it made what moving there uses (on CUDA the
+            pinned buffers its copies use, on the CPU the spill directory,
+            its file and the pages they take), and its time does not say
+            what a moved byte costs (NOTE [ Plan ] rule 9).
     """
 
     forward_s: float
@@ -111,7 +112,7 @@ class StepRecord:
     faulted_bytes: int = 0
     trim_s: float = 0.0
     checkpointed_s: float | None = None
-    first_copy: bool = False
+    first_move: bool = False
 
     @property
     def seconds(self) -> float:

@@ -119,13 +119,19 @@
      byte), and copies are priced at it, plus the link's time for the bytes
      the link cannot move while forward runs. Where the kernels hide the
      copies that is next to nothing, and copies stay cheaper than
-     recomputing. No step that copied more bytes than any before it prices a
-     copy (``StepRecord.first_copy``), even where no warm step ran yet: where
-     every measured step is cold (each takes its plan's real peak), the
-     first one's time would price every copy and the plan would recompute
-     every block instead. Other cold steps do: with every cold step skipped,
-     a plan that copies can go unpriced through a whole run, slower than the
-     plan that recomputes.
+     recomputing.
+   On either device, no step that moved more bytes to a tier than any before
+   it prices that tier (``StepRecord.first_move``), even where no warm step
+   ran yet: it made what moving there uses (CUDA's pinned buffers; on the
+   CPU the spill directory, its file and the pages the page cache takes),
+   and where every measured step is cold (each takes its plan's real peak),
+   the first one's time would price every byte moved, the plan would
+   recompute every block instead, and a plan that spills every site, as
+   fast and holding less, would never run again. Other cold steps do: with
+   every cold step skipped, a plan that moves can go unpriced through a
+   whole run, slower than the plan that recomputes. Until a step priced
+   a tier, its bytes cost what the probe took (``_rates.disk_rate`` times
+   what ``DiskSpill`` does to a value, on this thread).
    Steps that leave the history are kept aside by kind
    (``Profile.calibration_steps``), so what was measured stays known while
    the other plan runs, and the plan does not flip back to try it again.
@@ -143,6 +149,19 @@
    So a plan that copies to the host keeps at most the budget less a quarter
    of it, up to 1 GiB (``COPY_ROOM_SHARE``, ``COPY_ROOM_MAX``), where that is
    reachable; a plan that copies nothing keeps up to the budget.
+11. Moving every site is weighed as a plan of its own (no module recomputed,
+   every site to its cheapest tier: on the CPU, as fast as a step that
+   recomputes every block on a model like the bench's small one, and
+   holding less). The greedy of rule 3 stops once the held bytes fit, and
+   rule 7 keeps the plan that only recomputes within the noise, so neither
+   reaches it. It is taken where it fits and is predicted faster beyond the
+   noise, or no slower than the plan chosen by more than the noise and
+   ``STEP_TIE`` of its step, where the steps that ran each took the real
+   peak and those that moved sites to the same tiers without recomputing
+   held ``PEAK_TIE`` less than those of the chosen plan: what the steps
+   measured, not what the model predicts, since the model takes what a step
+   holds besides its saved bytes as the same under every plan, which a
+   spill's mapped pages are not (they come back as its tensors do).
 
 The measurements behind these rules, with the runs that made them:
 docs/figures/planning.md. The search (rule 3) is in _solver.py; what the
@@ -174,6 +193,7 @@ from tensorstash.planning._rates import (
     REFAULT_BYTES_PER_S,
     Rates,
 )
+from tensorstash.planning._records import plan_of
 from tensorstash.planning._solver import Choice, Excluded, Solver
 from tensorstash.planning.profile import Profile, Site, StepRecord
 
@@ -207,6 +227,10 @@ COPY_ROOM_SHARE = 0.25
 still running, up to :data:`COPY_ROOM_MAX`."""
 COPY_ROOM_MAX = 1 << 30
 """Rule 10: at most ``CpuOffload``'s default ``max_inflight_bytes``."""
+PEAK_TIE = 0.02
+"""Rule 11: a whole-model plan is taken where it holds this share less at the real peak..."""
+STEP_TIE = 0.03
+"""...and is predicted slower by at most this share of the step (and the step's noise)."""
 
 
 @dataclass(frozen=True)
@@ -335,21 +359,54 @@ def make_plan(
     if step is None:
         return None
     speeds = rates or Rates()
-    solve = functools.partial(_solve, profile, step, budget, device, speeds, recompute, never)
+    solve = functools.partial(
+        _solve, profile, step, budget, device, speeds, never=never, recompute=recompute
+    )
     plan = solve(always, moves=True, trims=trims)
     if device == "cuda" and "host" in plan.tiers.values():  # rule 10: room for the copies
         room = min(COPY_ROOM_MAX, int(budget * COPY_ROOM_SHARE))
         roomy = solve(always, moves=True, trims=trims, room=room)
         if roomy.held_bytes <= budget - room:
             plan = roomy
+    noise = step_noise(profile)
     if plan.tiers and recompute:  # rule 7: without the hooks, recomputing may cost less
         alone = solve(always, moves=False, trims=trims)
         steps = profile.calibration_steps()
         measured = profile.quiet_history or any(s.recomputed and not s.moved for s in steps)
-        noise = step_noise(profile)
-        if alone.fits and (not measured or alone.predicted_step_s <= plan.predicted_step_s + noise):
+        if alone.fits and not measured:
             return alone
+        if alone.fits and alone.predicted_step_s <= plan.predicted_step_s + noise:
+            plan = alone
+    if not plan.choices:
+        return plan
+    # Rule 11: moving every site, where that is faster, or as fast and held less.
+    whole = solve(always, moves=True, trims=trims, room=budget, recompute=False)
+    if not whole.fits:
+        return plan
+    if whole.predicted_step_s + noise < plan.predicted_step_s:
+        return whole
+    tie = min(noise, STEP_TIE * plan.predicted_step_s)
+    if whole.predicted_step_s <= plan.predicted_step_s + tie and _holds_less(profile, whole, plan):
+        return whole
     return plan
+
+
+def _holds_less(profile: Profile, one: Plan, other: Plan) -> bool:
+    """Rule 11: whether the steps that ran ``one`` held less at the real peak than those
+    that ran ``other``, by more than :data:`PEAK_TIE` (False unless steps of both took it)."""
+    low, high = _measured_peak(profile, one), _measured_peak(profile, other)
+    return low is not None and high is not None and low < (1 - PEAK_TIE) * high
+
+
+def _measured_peak(profile: Profile, plan: Plan) -> float | None:
+    """The median real peak of the steps that ran ``plan`` (its recompute, its tiers)."""
+    moved = frozenset("disk" if tier == "disk" else "host" for tier in plan.tiers.values())
+    peaks = [
+        s.peak_bytes
+        for s in profile.peaks
+        if s.peak_bytes is not None and plan_of(s) == (plan.recompute, moved)
+    ]
+    return statistics.median(peaks) if peaks else None
 
 
 def _solve(
@@ -358,16 +415,17 @@ def _solve(
     budget: int,
     device: str,
     rates: Rates,
-    recompute: bool,
-    never: Excluded,
     always: Iterable[str],
     *,
+    never: Excluded,
+    recompute: bool,
     moves: bool,
     trims: bool | Literal["auto"],
     room: int = 0,
 ) -> Plan:
     """One greedy plan (rule 3) from the medians ``step``, holding at most ``budget - room``
-    bytes (rule 10); ``moves``: may sites leave the device."""
+    bytes (rule 10; rule 11's whole-model plans hold none); ``moves``: may sites leave
+    the device; ``recompute``: may modules be recomputed."""
     calibration = Calibration(profile, device, rates)
     calibration.calibrate()
     capacity = rates.link * min(step.forward_s, step.backward_s)

@@ -218,7 +218,7 @@ class Profile:
     _schedule: Schedule = field(default_factory=Schedule)  # when steps measure (rule 6)
     _warned: set[int] = field(default_factory=set)
     _quiet: list[QuietStep] = field(default_factory=list)  # waiting for their times (rule 8)
-    _most_copied = 0  # the most bytes a step of this process moved to host (first_copy)
+    _most_moved: dict[str, int] = field(default_factory=dict)  # per tier (first_move)
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickles (a spawned process's copy): the measurements, not the live links.
