@@ -1363,6 +1363,12 @@ def test_disk_rate_counts_contention_only_where_the_writer_has_a_core(
     rates = _auto_plan.rates(auto, ts.Profile(), 0, "cpu", model)
     assert rates.disk == pytest.approx(1e9 / _auto_plan.CPU_CONTENTION if spare else 1e9)
     assert rates.compress == pytest.approx(6e8 / _auto_plan.CPU_CONTENTION)
+    # A directory that stopped taking files: no rate, and no plan divides by it.
+    monkeypatch.setattr(_rates, "disk_rate", lambda directory: 0.0)
+    rates = _auto_plan.rates(auto, ts.Profile(), 0, "cpu", model)
+    assert rates.disk == _auto_plan.NO_DISK
+    plan = make_plan(two_blocks(), 9 * MiB, rates=rates)
+    assert plan is not None and "disk" not in plan.tiers.values()
 
 
 def test_rates_are_not_probed_against_a_test_clock(monkeypatch: pytest.MonkeyPatch) -> None:

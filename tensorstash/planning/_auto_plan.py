@@ -20,6 +20,8 @@ from tensorstash.tiers._spillwork import usable_cores
 
 CPU_CONTENTION = 3.0
 """How much more a byte moved on a busy CPU costs the step than a probe of it took."""
+NO_DISK = 1.0
+"""The disk's bytes per second where its probe could not write a file."""
 
 
 def plan_step(
@@ -70,7 +72,9 @@ def rates(auto: Any, profile: Any, budget: int, device_type: str, root: nn.Modul
     # the step's cores are all torch's, the training thread spills as it packs, as the
     # probe does: a byte costs what the probe took.
     disk, lz4 = _rates.disk_rate(auto.directory), _rates.compress_rate()
-    if usable_cores() > torch.get_num_threads():
+    if disk <= 0:
+        disk = NO_DISK  # the directory took no file: a spill there is never the cheaper saving
+    elif usable_cores() > torch.get_num_threads():
         disk /= CPU_CONTENTION
     refault = _rates.refault_rate() or Rates.refault  # what the step pays: NOTE [ Plan ] 8
     return Rates(
