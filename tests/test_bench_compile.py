@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from tensorstash import bench, cli
-from tensorstash.bench.compiled import CompiledForwards, compile_budget
+from tensorstash.bench.compiled import CompiledForwards, compile_budget, offload_backend
+from tensorstash.bench.variants import skip_reason
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
@@ -72,6 +73,49 @@ def test_compiled_forwards_share_one_compiled_model_and_one_per_budget() -> None
     assert eager("none") is model and eager("compile:0.5") is not model
 
 
+def test_compile_offload_is_the_default_partitioner_and_needs_cuda() -> None:
+    assert compile_budget(bench.COMPILE_OFFLOAD) == 1.0
+    assert bench.resolve_policies([bench.COMPILE_OFFLOAD]) == ["none", bench.COMPILE_OFFLOAD]
+    reason = skip_reason(bench.COMPILE_OFFLOAD, torch.device("cpu"), compiled=True)
+    assert reason is not None and "the host is the device" in reason
+    assert skip_reason(bench.COMPILE_OFFLOAD, torch.device("cuda"), compiled=True) is None
+
+
+def test_compile_offload_marks_the_forward_and_trains_as_the_compiled_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rule 8 as far as the CPU goes: the partitioner offloads what the pass marked (a copy
+    to the device it is on) and the gradients are the compiled model's alone, bitwise."""
+    import torch._functorch._activation_offloading.activation_offloading as offloading
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    chosen: list[int] = []
+    choose = offloading.choose_offload_sets
+
+    def counted(fwd: torch.fx.GraphModule, *args: Any) -> bool:
+        found = choose(fwd, *args)
+        chosen.append(sum(1 for n in fwd.graph.nodes if n.meta.get("saved_for_offloading")))
+        return found
+
+    monkeypatch.setattr(offloading, "choose_offload_sets", counted)
+    torch.manual_seed(0)
+    model, x = _Block(), torch.randn(32, 64)
+    grads = []
+    with (
+        functorch_config.patch(enable_autograd_cache=False),
+        inductor_config.patch(fx_graph_cache=False),
+    ):
+        for backend in (None, offload_backend()):
+            compiled = torch.compile(model, backend=backend) if backend else torch.compile(model)
+            model.zero_grad(set_to_none=True)
+            compiled(x).square().mean().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            torch._dynamo.reset()
+    assert chosen and chosen[-1] > 0  # what the compiler alone never offloads
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
 @pytest.fixture(scope="module")
 def compiled_rows() -> dict[str, bench.Row]:
     rows = bench.run_bench(
@@ -88,8 +132,10 @@ def compiled_rows() -> dict[str, bench.Row]:
 def test_bench_compile_runs_the_compilers_budgets_beside_the_variants(
     compiled_rows: dict[str, bench.Row],
 ) -> None:
-    assert list(compiled_rows) == ["none", "keep", "checkpoint", "auto", *bench.COMPILE_PEERS]
-    assert all(row.skipped is None for row in compiled_rows.values())
+    names = ["none", "keep", "checkpoint", "auto", *bench.COMPILE_PEERS, bench.COMPILE_OFFLOAD]
+    assert list(compiled_rows) == names
+    assert all(row.skipped is None for row in compiled_rows.values() if row.policy in names[:-1])
+    assert "the host is the device" in (compiled_rows[bench.COMPILE_OFFLOAD].skipped or "")
 
 
 @pytest.mark.slow
@@ -219,7 +265,7 @@ def test_bench_compile_runs_with_fullgraph_and_dynamic_shapes() -> None:
         workload=_workload(),
         compile=CompileOptions(fullgraph=True, dynamic=True),
     )
-    assert all(row.skipped is None for row in rows)
+    assert all(row.skipped is None for row in rows if row.policy != bench.COMPILE_OFFLOAD)
     assert all(row.grads_equal for row in rows if not row.policy.startswith("compile:"))
 
 

@@ -22,7 +22,12 @@ The modules, each importing only those above it:
   trained alone in a fresh process.
 """
 
-from tensorstash.bench.compiled import COMPILE_PEERS, COMPILE_PREFIX, compile_budget
+from tensorstash.bench.compiled import (
+    COMPILE_OFFLOAD,
+    COMPILE_PEERS,
+    COMPILE_PREFIX,
+    compile_budget,
+)
 from tensorstash.bench.measure import DTYPES, StepResult, StepRunner, resolve_device, resolve_dtype
 from tensorstash.bench.model import (
     CONFIGS,
@@ -69,6 +74,7 @@ __all__ = [
     "ALL_POLICIES",
     "AUTO_PREFIX",
     "BASELINE",
+    "COMPILE_OFFLOAD",
     "COMPILE_PEERS",
     "COMPILE_PREFIX",
     "CONFIGS",

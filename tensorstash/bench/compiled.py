@@ -40,6 +40,15 @@
    anything they guard on tells the copy from the shared model, and kept on
    the model's own forward they were found first for every other variant,
    which then ran other graphs than the reference's (gradients "close").
+8. ``compile:offload`` is the compiler's own offload, on CUDA: the default
+   partitioner with ``torch._functorch.config.enable_activation_offloading``,
+   its copies on a side stream (``activation_offload_separate_stream``) and
+   their waits sunk as late as they go (``activation_offload_sink_wait``).
+   In torch 2.13 nothing marks what it offloads: a joint-graph pass of the
+   bench's marks every node of the forward ``should_offload``, and the
+   partitioner offloads those of them it keeps for backward and can
+   (intermediates, contiguous, no views). On the CPU the host is the device:
+   the row is skipped, with that reason.
 """
 
 from __future__ import annotations
@@ -58,6 +67,10 @@ COMPILE_PEERS: tuple[str, ...] = (
     "compile:1.0", "compile:0.5", "compile:0.25", "compile:0.1", "compile:0",
 )  # fmt: skip
 """The compiler's own budgets that ``--compile`` runs beside the variants."""
+COMPILE_OFFLOAD = "compile:offload"
+"""The compiler's own offload to the host (rule 8), beside them on CUDA."""
+COMPILE_RUNS: tuple[str, ...] = (*COMPILE_PEERS, COMPILE_OFFLOAD)
+"""The compiler's own rows that ``--compile`` runs."""
 RECOMPILE_LIMIT = 64
 """Graphs kept per code object during a compiled run (rule 4)."""
 COMPILE_MODES: tuple[str, ...] = (
@@ -144,6 +157,8 @@ def compile_budget(name: str) -> float | None:
     """
     if not name.startswith(COMPILE_PREFIX):
         return None
+    if name == COMPILE_OFFLOAD:
+        return 1.0  # rule 8: the default partitioner, and its offload
     spec = name.removeprefix(COMPILE_PREFIX)
     try:
         budget = float(spec)
@@ -171,6 +186,51 @@ def budget_backend(budget: float, options: CompileOptions | None = None) -> Call
             return compile_fx(graph, example_inputs, config_patches=settings or None)
 
     return backend
+
+
+def offload_backend(options: CompileOptions | None = None) -> Callable[..., Any]:
+    """Inductor with the compiler's own offload while it compiles (rule 8): every forward
+    node marked for it, copies on a side stream where the graph's tensors are on CUDA."""
+    import torch._functorch.config as functorch_config
+    from torch._inductor.compile_fx import compile_fx
+
+    settings = (options or CompileOptions()).inductor_settings()
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        on_cuda = any(getattr(t, "is_cuda", False) for t in example_inputs)
+        with functorch_config.patch(
+            enable_activation_offloading=True,
+            activation_offload_separate_stream=on_cuda,
+            activation_offload_sink_wait=on_cuda,
+            joint_custom_pass=_OffloadForward(functorch_config.joint_custom_pass),
+        ):
+            return compile_fx(graph, example_inputs, config_patches=settings or None)
+
+    return backend
+
+
+class _OffloadForward:
+    """Rule 8: the joint-graph pass that marks every forward node ``should_offload``, then
+    runs the pass that was set, if any."""
+
+    def __init__(self, then: Callable[[torch.fx.GraphModule, Any], Any] | None) -> None:
+        self.then = then
+
+    def __call__(self, joint: torch.fx.GraphModule, inputs: Any) -> Any:
+        mark_offload(joint.graph)
+        return joint if self.then is None else self.then(joint, inputs)
+
+
+def mark_offload(joint: torch.fx.Graph) -> int:
+    """Mark every node of a joint graph's forward ``should_offload`` (rule 8): how many."""
+    from tensorstash.planning.compiler import forward_nodes
+
+    marked = 0
+    for node in forward_nodes(joint):
+        if node.op == "call_function":
+            node.meta["should_offload"] = True
+            marked += 1
+    return marked
 
 
 def graphs_compiled() -> int:
@@ -208,7 +268,9 @@ class CompiledForwards:
         key = name if budget is not None else "compiled" if self.compile else "eager"
         made = self._made.get(key)
         if made is None:
-            if budget is not None:
+            if name == COMPILE_OFFLOAD:
+                made = self.options.compile(self.model, offload_backend(self.options))
+            elif budget is not None:
                 made = self.options.compile(self.model, budget_backend(budget, self.options))
             elif self.compile:
                 made = self.options.compile(self.model)

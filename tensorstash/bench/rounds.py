@@ -93,7 +93,7 @@ from pathlib import Path
 
 import torch
 
-from tensorstash.bench.compiled import COMPILE_PEERS, COMPILE_PREFIX, compiled_run
+from tensorstash.bench.compiled import COMPILE_PREFIX, COMPILE_RUNS, compiled_run
 from tensorstash.bench.measure import (
     DTYPES,
     StepResult,
@@ -139,7 +139,7 @@ def planned_steps(
 ) -> int:
     """How many steps :func:`run_bench` runs: reference, warm-up, timed and extra rounds,
     and up to ``LEARNING_ROUNDS`` rounds more while a planner learns (rule 3)."""
-    requested = [*policies, *(COMPILE_PEERS if compile else ())]
+    requested = [*policies, *(COMPILE_RUNS if compile else ())]
     names = _runnable(resolve_policies(requested), torch.device(device), compiled=compile)
     extra = int(timeline) + int(memory_snapshot)
     twin_count = sum(len(group) - 1 for group in _groups(names, twins=twins))
@@ -238,7 +238,7 @@ def run_bench(
         >>> for row in run_bench("tiny", ["lz4", "auto:50%"], steps=2):
         ...     print(row.policy, row.real_peak_bytes, row.overhead, row.grads_equal)
     """
-    names = resolve_policies([*policies, *(COMPILE_PEERS if compile else ())])
+    names = resolve_policies([*policies, *(COMPILE_RUNS if compile else ())])
     if steps < 1 or warmup < 0:
         raise ValueError(
             f"tensorstash bench: steps={steps}, warmup={warmup}; pass steps >= 1 "

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 import tensorstash as ts
-from tensorstash.bench.compiled import COMPILE_PREFIX, compile_budget
+from tensorstash.bench.compiled import COMPILE_OFFLOAD, COMPILE_PREFIX, compile_budget
 from tensorstash.bench.workloads import Workload
 from tensorstash.planning.auto import parse_bytes
 
@@ -166,6 +166,11 @@ def resolve_policies(names: Sequence[str]) -> list[str]:
 def skip_reason(name: str, device: torch.device, *, compiled: bool = False) -> str | None:
     """Why a variant cannot run here (None: it runs): an optional peer without CUDA or its
     library, or "recompute" on a compiled model."""
+    if name == COMPILE_OFFLOAD and device.type != "cuda":
+        return (
+            "the compiler's offload copies device tensors to the host; on the "
+            f"{device.type} the host is the device"
+        )
     if name == "recompute" and compiled:
         return (
             "its regions wrap the model's blocks, which the compiled graphs run inside; "

@@ -443,20 +443,30 @@ def save_random_ops(joint: fx.Graph) -> int:
     """Mark the random ops of a joint graph's forward ``MUST_SAVE`` (rule 7), except those
     the user's own checkpointing already marked: how many were marked.
 
-    The backward's nodes are those that depend on a tangent; nothing there is marked.
+    The backward's nodes are those that depend on a tangent (:func:`forward_nodes`);
+    nothing there is marked.
     """
     from torch.utils.checkpoint import CheckpointPolicy
 
-    backward: set[fx.Node] = set()
     marked = 0
+    for node in forward_nodes(joint):
+        if _is_random(node) and "recompute" not in node.meta:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            marked += 1
+    return marked
+
+
+def forward_nodes(joint: fx.Graph) -> list[fx.Node]:
+    """The nodes of a joint graph's forward: those that depend on no tangent."""
+    backward: set[fx.Node] = set()
+    forward = []
     for node in joint.nodes:
         tangent = node.op == "placeholder" and "tangents" in str(node.target)
         if tangent or any(used in backward for used in node.all_input_nodes):
             backward.add(node)
-        elif _is_random(node) and "recompute" not in node.meta:
-            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-            marked += 1
-    return marked
+        else:
+            forward.append(node)
+    return forward
 
 
 def _is_random(node: fx.Node) -> bool:
