@@ -204,8 +204,7 @@ class _AutoState:
     def _moves(self) -> frozenset[str]:
         """The stats' tiers the plan moves bytes to, as a step's record will name them."""
         plan = self.plan
-        tiers = plan.tiers.values() if plan is not None else ()
-        return frozenset("disk" if tier == "disk" else "host" for tier in tiers if tier != "keep")
+        return plan.moved_tiers if plan is not None else frozenset()
 
     def _without_cache(self, root: nn.Module) -> None:
         """Run a Hugging Face model's training forward without its key-value cache.

@@ -286,6 +286,14 @@ class Plan:
         """Whether a step can run it without hooks: it moves nothing and fits (rule 7)."""
         return not self.tiers and self.fits
 
+    @property
+    def moved_tiers(self) -> frozenset[str]:
+        """The stats' tiers the plan moves bytes to, as a step's record names them
+        (``StepRecord.moved``: compressed bytes are the host tier's)."""
+        return frozenset(
+            "disk" if t == "disk" else "host" for t in self.tiers.values() if t != "keep"
+        )
+
     def tier(self, site: Site) -> Tier:
         """Where ``site``'s tensors go ("keep" unless the plan moves them)."""
         return self.tiers.get(site, "keep")
@@ -400,11 +408,10 @@ def _holds_less(profile: Profile, one: Plan, other: Plan) -> bool:
 
 def _measured_peak(profile: Profile, plan: Plan) -> float | None:
     """The median real peak of the steps that ran ``plan`` (its recompute, its tiers)."""
-    moved = frozenset("disk" if tier == "disk" else "host" for tier in plan.tiers.values())
     peaks = [
         s.peak_bytes
         for s in profile.peaks
-        if s.peak_bytes is not None and plan_of(s) == (plan.recompute, moved)
+        if s.peak_bytes is not None and plan_of(s) == (plan.recompute, plan.moved_tiers)
     ]
     return statistics.median(peaks) if peaks else None
 
