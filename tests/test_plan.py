@@ -530,6 +530,34 @@ def test_auto_holds_its_budget_on_the_bench_models(name: str) -> None:
         assert counted >= 2  # the plan's steps that take its real peak run with hooks
 
 
+def test_auto_counts_the_writes_waiting_for_the_disk_toward_the_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the CPU the bytes waiting for the disk writer are in host RAM, the device: with a
+    writer that lags, a planned step that spills holds the budget plus the tensor it packs,
+    not the budget plus DiskSpill's default backlog."""
+    from tensorstash.tiers import disk
+
+    monkeypatch.setattr(disk, "usable_cores", lambda: torch.get_num_threads() + 1)
+    run = disk._Job.run
+
+    def lagging(job: Any) -> Any:
+        time.sleep(0.005)
+        return run(job)
+
+    monkeypatch.setattr(disk._Job, "run", lagging)
+    model = fresh()
+    budget = activation_bytes(model, data()) // 4
+    auto = ts.Auto(device_budget=budget, recompute=False)
+    sessions = train(model, 4, auto, ticking(), record=True)
+    for session in sessions[1:]:
+        tiers = session.stats.to_dict()["tiers"]
+        assert tiers["disk"]["tensors"] > 0
+        largest = max(row["bytes"] for row in session.decisions)
+        held = tiers["kept"]["peak_bytes"] + tiers["host"]["peak_bytes"]
+        assert held <= budget + largest, (held, budget, session.plan)
+
+
 def test_auto_warns_once_naming_the_least_budget_it_can_hold() -> None:
     model = fresh()
     largest = 512 * 1024 * 4  # a session holds the tensor it packs: this one at least

@@ -100,7 +100,11 @@ class Chooser:
     def spill(self) -> Policy:
         # Written as they are: lz4 before the disk cost the step more than it saved where
         # the page cache takes the writes, and held more meanwhile (docs/figures/auto.md).
-        return Chain(CpuOffload(), DiskSpill(self.auto.directory))  # a CPU tensor: to disk
+        # A CPU tensor goes to disk; a device tensor's copy is held as the offload's is.
+        return Chain(
+            CpuOffload(max_inflight_bytes=self.inflight_room()),
+            DiskSpill(self.auto.directory, max_pending_bytes=self.pending_room()),
+        )
 
     def inflight_room(self) -> int:
         """The device bytes whose copy to the host may still run (the held bytes of
@@ -109,6 +113,21 @@ class Chooser:
         plan = self.plan
         if plan is None or not plan.fits:
             return 0
+        return max(0, self.budget - plan.held_bytes)
+
+    def pending_room(self) -> int:
+        """The bytes that may wait for the disk writer (DiskSpill's ``max_pending_bytes``).
+
+        They are in host RAM: on the CPU, the device, where they count toward the
+        budget as a copy's bytes do on CUDA, so they may hold what the plan leaves of
+        it, or without a plan that fits the recent window (rules 4 and 5 count them
+        and keep the rest under the budget less the window). On CUDA they count
+        toward host RAM, which ``host_reserve`` guards: DiskSpill's default."""
+        if self.device_type != "cpu":
+            return DiskSpill.max_pending_bytes
+        plan = self.plan
+        if plan is None or not plan.fits:
+            return self.window
         return max(0, self.budget - plan.held_bytes)
 
     # The rules -----------------------------------------------------------------

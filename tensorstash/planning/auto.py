@@ -155,7 +155,10 @@ class Auto:
     saved: past that, saving waits for the oldest copy (``CpuOffload``'s
     ``max_inflight_bytes``). With a fixed cap instead (``CpuOffload``'s
     default), the copies could hold the whole cap on top of a plan that keeps
-    close to the budget (docs/figures/auto.md).
+    close to the budget (docs/figures/auto.md). On the CPU the bytes waiting
+    for the disk writer are held the same way (``DiskSpill``'s
+    ``max_pending_bytes``: what the plan leaves of the budget, or the recent
+    window without a plan).
 
     Args:
         device_budget: eligible saved bytes held on the device per session: an
