@@ -1517,17 +1517,20 @@ def test_autos_that_trim_differently_share_a_profile_without_sharing_a_plan() ->
     assert session.plan is not None and not session.plan.returns_memory
 
 
-@pytest.mark.parametrize("spilled_peak_mib", [30, 50])
+@pytest.mark.parametrize("spilled_peak_mib", [30, 50, None], ids=["less", "more", "untried"])
 def test_plan_spills_every_site_where_that_is_as_fast_and_its_steps_held_less(
-    spilled_peak_mib: int,
+    spilled_peak_mib: int | None,
 ) -> None:
     # Rule 11 (the bench's small model at 25%): recomputing and spilling tie within the
     # steps' noise, and rule 7 takes the plan that only recomputes; the steps that
     # spilled held less at the real peak, so spilling every site is the better plan.
+    # Where no step took the real peak under it, it runs once to measure it.
     profile = two_blocks(cheap_s=0.05, dear_s=0.4)
-    spilled = StepRecord(1 / 3, 2 / 3, 8 * MiB, spilled_peak_mib * MiB, (), 0.0, {"disk": 8 * MiB})
+    peak = None if spilled_peak_mib is None else spilled_peak_mib * MiB
+    spilled = StepRecord(1 / 3, 2 / 3, 8 * MiB, peak, (), 0.0, {"disk": 8 * MiB})
     profile.history.append(spilled)
-    profile.peaks.append(spilled)
+    if peak is not None:
+        profile.peaks.append(spilled)
     recomputed = StepRecord(1.05 / 3, 2.1 / 3, 9 * MiB, 40 * MiB, ("a",), recompute_s=0.05)
     profile.history.append(recomputed)
     profile.peaks.append(recomputed)
@@ -1536,7 +1539,7 @@ def test_plan_spills_every_site_where_that_is_as_fast_and_its_steps_held_less(
         profile.quiet_history.append(StepRecord(seconds / 3, 2 * seconds / 3, 0, None, ("a",)))
     plan = make_plan(profile, 9 * MiB, trims=True)
     assert plan is not None
-    if spilled_peak_mib < 40:
+    if spilled_peak_mib is None or spilled_peak_mib < 40:
         assert not plan.recompute and len(plan.tiers) == len(profile.last)  # every site
         assert set(plan.tiers.values()) == {"disk"} and plan.held_bytes == 0
     else:  # the spills held more: the plan that only recomputes stays
@@ -1546,6 +1549,9 @@ def test_plan_spills_every_site_where_that_is_as_fast_and_its_steps_held_less(
 def test_plan_takes_the_plan_that_only_recomputes_within_the_noise_of_quiet_steps() -> None:
     profile = two_blocks(cheap_s=0.05, dear_s=0.4)
     profile.history.append(StepRecord(1 / 3, 2 / 3, 8 * MiB, None, (), 0.0, {"disk": 8 * MiB}))
+    # A step that spilled every site took its real peak (rule 11 has run the plan that
+    # moves every site once): the rules below decide.
+    profile.peaks.append(StepRecord(1 / 3, 2 / 3, 8 * MiB, 40 * MiB, (), 0.0, {"disk": 16 * MiB}))
     steady = 1.0 + 0.05
     for _ in range(3):  # three quiet steps that recomputed "a", all alike: no noise
         profile.quiet_history.append(StepRecord(steady / 3, 2 * steady / 3, 0, None, ("a",)))
