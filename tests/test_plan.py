@@ -1544,6 +1544,10 @@ def test_plan_spills_every_site_where_that_is_as_fast_and_its_steps_held_less(
         assert set(plan.tiers.values()) == {"disk"} and plan.held_bytes == 0
     else:  # the spills held more: the plan that only recomputes stays
         assert plan.recompute == ("a",) and not plan.tiers
+    if spilled_peak_mib is None:  # a profile that takes no real peak never tries it
+        unmeasured = dataclasses.replace(profile, measure_memory=False)
+        plan = make_plan(unmeasured, 9 * MiB, trims=True)
+        assert plan is not None and plan.recompute == ("a",) and not plan.tiers
 
 
 def test_plan_takes_the_plan_that_only_recomputes_within_the_noise_of_quiet_steps() -> None:

@@ -162,8 +162,9 @@
    measured, not what the model predicts, since the model takes what a step
    holds besides its saved bytes as the same under every plan, which a
    spill's mapped pages are not (they come back as its tensors do). On the
-   CPU, a whole-model plan predicted as fast that no step has run yet runs once,
-   so that its real peak is measured: without it, the two plans' steps
+   CPU, a whole-model plan predicted as fast that no step has run yet runs
+   until a step under it took its real peak (where the profile measures
+   memory): without it, the two plans' steps
    could only be compared where the other had run for another reason, and
    which plan a run kept at a tie was chance.
 
@@ -400,7 +401,8 @@ def make_plan(
     tie = min(noise, STEP_TIE * plan.predicted_step_s)
     if whole.predicted_step_s > plan.predicted_step_s + tie:
         return plan
-    untried = device == "cpu" and _measured_peak(profile, whole) is None
+    measures = device == "cpu" and profile.measure_memory
+    untried = measures and _measured_peak(profile, whole) is None
     if untried or _holds_less(profile, whole, plan):
         return whole  # as fast: run once to measure what it holds, then kept where it holds less
     return plan
