@@ -1524,7 +1524,7 @@ def test_plan_spills_every_site_where_that_is_as_fast_and_its_steps_held_less(
     # Rule 11 (the bench's small model at 25%): recomputing and spilling tie within the
     # steps' noise, and rule 7 takes the plan that only recomputes; the steps that
     # spilled held less at the real peak, so spilling every site is the better plan.
-    # Where no step took the real peak under it, it runs once to measure it.
+    # Where no step took the real peak under it, it runs, so that one does.
     profile = two_blocks(cheap_s=0.05, dear_s=0.4)
     peak = None if spilled_peak_mib is None else spilled_peak_mib * MiB
     spilled = StepRecord(1 / 3, 2 / 3, 8 * MiB, peak, (), 0.0, {"disk": 8 * MiB})

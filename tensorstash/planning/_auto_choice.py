@@ -126,9 +126,7 @@ class Chooser:
         if self.device_type != "cpu":
             return DiskSpill.max_pending_bytes
         plan = self.plan
-        if plan is None or not plan.fits:
-            return self.window
-        return max(0, self.budget - plan.held_bytes)
+        return self.inflight_room() if plan is not None and plan.fits else self.window
 
     # The rules -----------------------------------------------------------------
 

@@ -164,9 +164,9 @@
    spill's mapped pages are not (they come back as its tensors do). On the
    CPU, a whole-model plan predicted as fast that no step has run yet runs
    until a step under it took its real peak (where the profile measures
-   memory): without it, the two plans' steps
-   could only be compared where the other had run for another reason, and
-   which plan a run kept at a tie was chance.
+   memory): without it, the two plans' steps could only be compared where
+   the other had run for another reason, and which plan a run kept at a
+   tie was chance.
 
 The measurements behind these rules, with the runs that made them:
 docs/figures/planning.md. The search (rule 3) is in _solver.py; what the
@@ -404,7 +404,7 @@ def make_plan(
     measures = device == "cpu" and profile.measure_memory
     untried = measures and _measured_peak(profile, whole) is None
     if untried or _holds_less(profile, whole, plan):
-        return whole  # as fast: run once to measure what it holds, then kept where it holds less
+        return whole  # as fast: run until its real peak is taken, then kept where it holds less
     return plan
 
 
