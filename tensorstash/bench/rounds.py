@@ -122,7 +122,7 @@ from tensorstash.core._layout import without_fill
 Progress = Callable[[str], None]
 """Called with the variant's name after every step."""
 
-LEARNING_ROUNDS = 8
+LEARNING_ROUNDS = 12
 """The most untimed rounds added after the warm-up while a planner still learns (rule 3)."""
 
 
