@@ -50,14 +50,16 @@
    settings whose step is within ``TIE`` of the fastest one's, the one with
    the lowest real peak: the budget is there to hold memory, so a setting
    that holds less at about the same speed is the better one. Real peaks are
-   not monotonic in the setting (fewer kept bytes may still peak higher, where
-   backward recomputes more at once); the search takes them to fall as the
-   setting grows, then rise: it steps at the setting that keeps least among
-   the fast ones, then at the next one up (whatever its compiling step's
-   time said: the first run of new graphs is slower than the next), and goes
-   on up only while that one is as fast and holds less. Every step at a
-   setting that is not the plan is a step at another peak, so the search
-   takes as few as it can, but a setting that keeps less than the fastest
+   not monotonic in the setting, nor do they fall and then rise (fewer kept
+   bytes may still peak higher, where backward recomputes more at once: the
+   bench's ``small`` under bf16 autocast peaked at 29.5 MiB at 0.1, 30.1 at
+   0.25 and 27.6 at 0.5): the search steps once at the setting that keeps
+   least among the fast ones and at every fitting setting that keeps more
+   (whatever its compiling step's time said: the first run of new graphs is
+   slower than the next), and takes the lowest real peak among those as
+   fast. Every step at a setting that is not the plan is a step at another
+   peak, so the search takes no more than that, but a setting that keeps
+   less than the fastest
    one is left out for speed only once both have ``CHANCES`` timings, and
    only where its fastest and its median timing are both more than ``TIE``
    behind the fastest one's. Other work on a machine slows a step and never
@@ -628,9 +630,9 @@ class CompilerPlan:
 def _slower(trial: Trial, than: Trial) -> bool:
     """Whether ``trial`` steps more than ``TIE`` slower than ``than`` (rule 5): both its
     fastest and its median timing are."""
-    return (trial.best_s or 0.0) > (than.best_s or 0.0) * (1 + TIE) and (
-        trial.typical_s or 0.0
-    ) > (than.typical_s or 0.0) * (1 + TIE)
+    return (trial.best_s or 0.0) > (than.best_s or 0.0) * (1 + TIE) and (trial.typical_s or 0.0) > (
+        than.typical_s or 0.0
+    ) * (1 + TIE)
 
 
 class CompiledSearch:
@@ -716,17 +718,16 @@ class CompiledSearch:
             for short in (trial, fastest):
                 if short.timings < CHANCES:  # a few slow steps do not rule out what keeps less
                     return short.setting
-        for above in [*timed[timed.index(candidate) + 1 :], None]:
-            if not candidate.peaks:
-                return candidate.setting
-            if above is None:
-                break
+        if not candidate.peaks:
+            return candidate.setting
+        rest = timed[timed.index(candidate) :]  # the candidate and those that keep more
+        for above in rest[1:]:
             if not above.seconds:  # its real peak, and a time taken as the candidate's was
                 return above.setting
-            if not as_fast(above) or (above.peak_bytes or 0) >= (candidate.peak_bytes or 0):
-                break
-            candidate = above  # keeping more, it held less at its peak: go on up
-        return self._settle(candidate.setting)
+        fast = [trial for trial in rest if as_fast(trial)]
+        unknown = float("inf")  # a step whose real peak was not taken
+        best = min(fast, key=lambda t: unknown if t.peak_bytes is None else t.peak_bytes)
+        return self._settle(best.setting)
 
     def _settle(self, choice: float | None) -> float | None:
         self.settled, self.choice = True, choice
