@@ -108,6 +108,21 @@ def test_search_steps_every_fitting_setting_above_for_its_peak() -> None:
     assert search.choice == 0.5
 
 
+def test_search_steps_a_setting_above_that_held_less_again_before_leaving_it_out() -> None:
+    """A setting that keeps more and held less than the plan, slow over its compiling
+    step and one step more, is stepped to CHANCES timings: its third is as fast."""
+    search = CompiledSearch(budget=13 * MIB)
+    compiling = {0.5: 1.5, 0.25: 1.0, 0.1: 1.0}
+    steps = {
+        0.1: [(1.0, int(29.5 * MIB))],
+        0.25: [(1.0, int(30.1 * MIB))],
+        0.5: [(1.4, int(27.6 * MIB)), (1.0, int(27.6 * MIB))],
+    }
+    ran = _run(search, steps, compiling)
+    assert ran[len(_compiled_down_to_explore()) :] == [0.1, 0.25, 0.5, 0.5, 0.5]
+    assert search.choice == 0.5 and search.trials[0.5].timings == CHANCES
+
+
 def test_search_takes_the_lowest_real_peak_among_the_nearly_fastest() -> None:
     """Within TIE of the fastest, memory decides; past it, speed does."""
     slow = 1.0 + TIE + 0.05

@@ -59,10 +59,10 @@
    slower than the next), and takes the lowest real peak among those as
    fast. Every step at a setting that is not the plan is a step at another
    peak, so the search takes no more than that, but a setting that keeps
-   less than the fastest
-   one is left out for speed only once both have ``CHANCES`` timings, and
-   only where its fastest and its median timing are both more than ``TIE``
-   behind the fastest one's. Other work on a machine slows a step and never
+   less than the fastest one, or keeps more and held less than the plan, is
+   left out for speed only once it and the fastest have ``CHANCES`` timings,
+   and only where its fastest and its median timing are both more than
+   ``TIE`` behind the fastest one's. Other work on a machine slows a step and never
    speeds it, so the fastest timing is the setting's own cost, but on a busy
    machine few steps reach it: in the compiled sweeps on 2 cores most steps
    ran 10-40% over their setting's fastest, and the fastest of two timings
@@ -710,23 +710,33 @@ class CompiledSearch:
         def as_fast(trial: Trial) -> bool:
             return trial is fastest or not _slower(trial, fastest)
 
+        def unsure(trial: Trial) -> Trial | None:
+            """What to step again before ``trial`` is left out for speed: a few slow steps
+            do not rule out a setting."""
+            return next((t for t in (trial, fastest) if t.timings < CHANCES), None)
+
+        def peak(trial: Trial) -> float:
+            return float("inf") if trial.peak_bytes is None else trial.peak_bytes
+
         candidate = fastest
         for trial in timed[: timed.index(fastest)]:  # those that keep less than the fastest
             if as_fast(trial):
                 candidate = trial
                 break
-            for short in (trial, fastest):
-                if short.timings < CHANCES:  # a few slow steps do not rule out what keeps less
-                    return short.setting
+            short = unsure(trial)
+            if short is not None:
+                return short.setting
         if not candidate.peaks:
             return candidate.setting
         rest = timed[timed.index(candidate) :]  # the candidate and those that keep more
         for above in rest[1:]:
             if not above.seconds:  # its real peak, and a time taken as the candidate's was
                 return above.setting
-        fast = [trial for trial in rest if as_fast(trial)]
-        unknown = float("inf")  # a step whose real peak was not taken
-        best = min(fast, key=lambda t: unknown if t.peak_bytes is None else t.peak_bytes)
+        best = min((trial for trial in rest if as_fast(trial)), key=peak)
+        for above in rest[1:]:
+            short = None if as_fast(above) or peak(above) >= peak(best) else unsure(above)
+            if short is not None:  # it held less: left out on its time only when sure
+                return short.setting
         return self._settle(best.setting)
 
     def _settle(self, choice: float | None) -> float | None:
