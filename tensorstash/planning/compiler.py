@@ -62,12 +62,12 @@
    less than the fastest one, or keeps more and held less than the plan, is
    left out for speed only once it and the fastest have ``CHANCES`` timings,
    and only where its fastest and its median timing are both more than
-   ``TIE`` behind the fastest one's. Other work on a machine slows a step and never
-   speeds it, so the fastest timing is the setting's own cost, but on a busy
-   machine few steps reach it: in the compiled sweeps on 2 cores most steps
-   ran 10-40% over their setting's fastest, and the fastest of two timings
-   against the fastest of another's left out a setting as fast as the choice
-   (and holding less) one search in five on HF GPT-2 and one in ten on
+   ``TIE`` behind the fastest one's. Other work on a machine slows a step and
+   never speeds it, so the fastest timing is the setting's own cost, but on a
+   busy machine few steps reach it: in the compiled sweeps on 2 cores most
+   steps ran 10-40% over their setting's fastest, and the fastest of two
+   timings against the fastest of another's left out a setting as fast as the
+   choice (and holding less) one search in five on HF GPT-2 and one in ten on
    ``small``; three timings each and both figures leave it out one in twelve
    and one in fifty (resampled from those sweeps' steps).
    Once settled, steps take no real peak (the real-memory meter costs a
@@ -146,8 +146,8 @@ TIE = 0.15
 and the one with the lowest real peak among them is the plan (rule 5): each is timed
 over a few steps, and a single step's time varies about that much."""
 CHANCES = 3
-"""The timings a setting that keeps less than the fastest one, and the fastest one, have
-before the first is left out for speed (rule 5)."""
+"""The timings a setting and the fastest one have before the setting is left out for
+speed, where it keeps less than the fastest or held less than the plan (rule 5)."""
 EXPLORE = 2
 """Fitting settings tried below the largest that fits (rule 5)."""
 SCHEME = "random-saved"
@@ -530,21 +530,23 @@ class Trial:
         return statistics.median(self.seconds) if self.seconds else None
 
     @property
+    def all_s(self) -> list[float]:
+        """Its steps' times, those that compiled included."""
+        return self.seconds + self.compiling_s
+
+    @property
     def best_s(self) -> float | None:
-        """Its fastest step, those that compiled included: what it costs where nothing
-        else slowed it."""
-        timings = self.seconds + self.compiling_s
-        return min(timings) if timings else None
+        """Its fastest step: what it costs where nothing else slowed it."""
+        return min(self.all_s, default=None)
 
     @property
     def typical_s(self) -> float | None:
-        """Its median step, those that compiled included."""
-        timings = self.seconds + self.compiling_s
-        return statistics.median(timings) if timings else None
+        """Its median step."""
+        return statistics.median(self.all_s) if self.all_s else None
 
     @property
     def timings(self) -> int:
-        return len(self.seconds) + len(self.compiling_s)
+        return len(self.all_s)
 
     @property
     def peak_bytes(self) -> int | None:
@@ -630,9 +632,9 @@ class CompilerPlan:
 def _slower(trial: Trial, than: Trial) -> bool:
     """Whether ``trial`` steps more than ``TIE`` slower than ``than`` (rule 5): both its
     fastest and its median timing are."""
-    return (trial.best_s or 0.0) > (than.best_s or 0.0) * (1 + TIE) and (trial.typical_s or 0.0) > (
-        than.typical_s or 0.0
-    ) * (1 + TIE)
+    fastest = (trial.best_s or 0.0) > (than.best_s or 0.0) * (1 + TIE)
+    median = (trial.typical_s or 0.0) > (than.typical_s or 0.0) * (1 + TIE)
+    return fastest and median
 
 
 class CompiledSearch:
