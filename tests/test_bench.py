@@ -269,7 +269,7 @@ def test_bench_sweep_runs_both_dtypes(tmp_path: Path, capsys: pytest.CaptureFixt
     assert budgets["auto:25%"] == activations // 4 and budgets["auto:75%"] == activations * 3 // 4
     assert all(row["grads_equal"] for row in data if row["skipped"] is None)
     out_text = capsys.readouterr().out
-    assert "cpu float32" in out_text and "cpu bfloat16 autocast" in out_text
+    assert ") float32, " in out_text and ") bfloat16 autocast, " in out_text
 
 
 def test_bench_sweep_with_dtype_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -427,6 +427,26 @@ def test_bench_adds_untimed_rounds_while_a_planner_learns(
     monkeypatch.setattr(rounds, "LEARNING_ROUNDS", 0)
     rows = bench.run_bench("tiny", policies, steps=2, warmup=2)
     assert all(row.warmup_steps == 2 for row in rows)
+
+
+def test_title_names_the_cpus_vector_instructions_and_bfloat16_without_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    title = bench.format_title("tiny", "cpu", "float32", [], threads=1, warmup=2)
+    assert "cpu (AVX2) float32" in title
+    title = bench.format_title("tiny", "cpu", "bfloat16", [], threads=1, warmup=2)
+    assert "cpu (AVX2, no bfloat16 instructions) bfloat16 autocast" in title
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    title = bench.format_title("tiny", "cpu", "bfloat16", [], threads=1, warmup=2)
+    assert "cpu (AVX2) bfloat16 autocast" in title
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "SVE256")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    title = bench.format_title("tiny", "cpu", "bfloat16", [], threads=1, warmup=2)
+    assert "cpu (SVE256) bfloat16 autocast" in title  # only x86 is known to lack them
+    assert "cuda float32" in bench.format_title("tiny", "cuda", "float32", [], threads=1, warmup=2)
 
 
 def test_round_order_rotates_the_first_shuffles_the_rest_and_twins_take_turns() -> None:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from tensorstash.bench.measure import StepRunner
-from tensorstash.bench.report import dtype_text, threads_text
+from tensorstash.bench.report import cpu_text, dtype_text, threads_text
 from tensorstash.bench.variants import BASELINE
 from tensorstash.bench.workloads import checked_loss
 from tensorstash.core.stats import human_bytes
@@ -179,7 +179,8 @@ def format_loop_table(
     """The title, the table and what its columns measure."""
     threads = threads_text(torch.get_num_threads())
     title = (
-        f"{description}, cpu {dtype_text(dtype)}, {threads}, allocator {ALLOCATOR.name}: "
+        f"{description}, cpu ({cpu_text(dtype)}) {dtype_text(dtype)}, {threads}, "
+        f"allocator {ALLOCATOR.name}: "
         f"{rounds} round(s) of a {steps}-step SGD loop, each variant alone in a fresh process"
     )
     steady = f"from step {LEARNING + 1}"
