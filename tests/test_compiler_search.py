@@ -269,7 +269,7 @@ def test_a_step_at_a_setting_on_the_cpu_leases_the_session_pool_until_backward_e
     search.device = torch.device("cpu")
     search.measured(1.0, 64 * MIB, 5)
     step = compiler.CompiledStep(search, 0.5, 0, None, known=True)
-    assert step.lease is not None and caps == [16 * MIB]  # a quarter of what 1.0 keeps
+    assert step.lease is not None and caps == [4 * MIB]  # what 1.0 keeps over POOL_SHARE
     step.count.bytes, step.count.tensors = KEPT[0.5], 5
     step.exited()
     assert step.lease is not None  # the session closed; its backward has not run yet
@@ -278,7 +278,14 @@ def test_a_step_at_a_setting_on_the_cpu_leases_the_session_pool_until_backward_e
     assert compiler.CompiledStep(search, 0.5, 0, None, known=True, pool=None).lease is None
     search.device = torch.device("cuda")
     assert compiler.CompiledStep(search, 0.5, 0, None, known=True).lease is None
-    assert caps == [16 * MIB]
+    assert caps == [4 * MIB]
+    small = CompiledSearch(budget=MIB)
+    small.device = torch.device("cpu")
+    small.measured(1.0, 8 * MIB, 5)
+    held = compiler.CompiledStep(small, 0.5, 0, None, known=True).lease
+    assert held is not None
+    held.close()
+    assert caps == [4 * MIB, compiler.POOL_LEAST]
 
 
 @pytest.mark.parametrize(

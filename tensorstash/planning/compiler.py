@@ -114,8 +114,14 @@
     free pages, so the step's resident set grows by what it walks; the pool
     serves those blocks from the ones waiting, and the step holds less at its
     peak than the compiler alone does at the same setting, at its speed. The
-    cap is ``Auto``'s: a quarter of what the graphs keep at 1.0 (the
-    activation bytes the compiler would keep), at least ``POOL_LEAST``. A
+    cap is a sixteenth of what the graphs keep at 1.0 (the activation bytes
+    the compiler would keep), at least ``POOL_LEAST``: a planned step keeps
+    far less than that, and the blocks waiting add to its peak. With
+    ``Auto``'s eager cap, a quarter (at least 8 MiB), ``small`` and HF GPT-2
+    (float32, 2 threads) held 35.8 and 29.5 MiB at their plans; with a
+    sixteenth (at least 2 MiB), 33.0-34.2 and 27.8, at the same step within
+    the noise (their overheads over the compiled model, two runs each:
+    1.02-1.21x against 1.12-1.18x, and 1.10-1.28x against 1.01-1.26x). A
     step that pushes nothing has no backward end to close a lease at, and
     runs the user's graphs untouched.
 """
@@ -156,7 +162,10 @@ so that the compile cache keys it."""
 WINDOW = 16
 """The steps of a setting whose times make its step (rule 5): a settled plan's steps are
 timed too, and its predicted step follows the last of them."""
-POOL_LEAST = 8 << 20
+POOL_SHARE = 16
+"""The session pool's cap for a step at a setting on the CPU is what the graphs keep at
+1.0 over this (rule 10)."""
+POOL_LEAST = 2 << 20
 """The least cap of the session pool a step at a setting leases on the CPU (rule 10)."""
 
 _local = threading.local()
@@ -857,7 +866,7 @@ class CompiledStep:
         known: the profile's steps ran compiled code before (a step that keeps
             nothing still ran it).
         pool: the cap of the session pool a step on the CPU leases (rule 10): "auto"
-            for a quarter of what the graphs keep at 1.0 (at least ``POOL_LEAST``),
+            for what the graphs keep at 1.0 over ``POOL_SHARE`` (at least ``POOL_LEAST``),
             bytes, or None for no lease (``Auto``'s ``trim_every``).
         peak: take the step's real peak (a settled plan's step takes its time only).
     """
@@ -961,7 +970,7 @@ def _lease(
     if pool == "auto":
         whole = search.trials.get(1.0)
         kept = 0 if whole is None or whole.kept_bytes is None else whole.kept_bytes
-        pool = max(POOL_LEAST, kept // 4)
+        pool = max(POOL_LEAST, kept // POOL_SHARE)
     return _pool.lease(int(pool))
 
 
