@@ -8,7 +8,6 @@ checkpointing of every block, and the eligible bytes one step saves (what a
 
 from __future__ import annotations
 
-import copy
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from torch import Tensor, nn
 
 import tensorstash as ts
 from tensorstash.bench import HF_GPT2, builtin_workload
+from tensorstash.bench.variants import checkpointed_copy
 
 
 @dataclass(frozen=True)
@@ -31,16 +31,14 @@ class Gpt2Step:
 def gpt2_step() -> Gpt2Step:
     torch.set_num_threads(2)
     workload = builtin_workload(HF_GPT2, seed=0)
-    model, batch, checkpointing = workload.model.train(), workload.batch, workload.checkpointing
-    assert checkpointing is not None
+    model, batch = workload.model.train(), workload.batch
+    assert workload.checkpointing is not None  # HF's own
 
     def forward() -> Tensor:
         loss: Tensor = model(*batch)
         return loss
 
-    # HF's checkpointing goes on a copy, for good: each enable adds a hook no disable removes
-    copied = copy.deepcopy(model)
-    checkpointing(copied)
+    copied = checkpointed_copy(workload).model
 
     def checkpointed() -> Tensor:
         copied.zero_grad(set_to_none=True)

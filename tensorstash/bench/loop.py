@@ -179,7 +179,7 @@ def format_loop_table(
     """The title, the table and what its columns measure."""
     threads = threads_text(torch.get_num_threads())
     title = (
-        f"{description}, cpu ({cpu_text(dtype)}) {dtype_text(dtype)}, {threads}, "
+        f"{description}, {cpu_text(dtype)} {dtype_text(dtype)}, {threads}, "
         f"allocator {ALLOCATOR.name}: "
         f"{rounds} round(s) of a {steps}-step SGD loop, each variant alone in a fresh process"
     )

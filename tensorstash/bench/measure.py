@@ -6,8 +6,6 @@ Rules 2, 4, 5 and 10 of NOTE [ Fair comparison ] (rounds.py) live here.
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +17,7 @@ from torch import Tensor, nn
 import tensorstash as ts
 from tensorstash.bench.compiled import CompiledForwards, graphs_compiled
 from tensorstash.bench.timeline import Timeline
-from tensorstash.bench.variants import BASELINE, NO_PLAN, checkpointing_on, variant_context
+from tensorstash.bench.variants import BASELINE, NO_PLAN, checkpointed_copy, variant_context
 from tensorstash.bench.workloads import Workload, checked_loss, to_device
 from tensorstash.memory._memory import meter, return_free_memory
 
@@ -215,10 +213,9 @@ class StepRunner:
         if name != "checkpoint":
             return self.workload, self.forwards
         if self._checkpointed is None:
-            model = copy.deepcopy(self.model)
-            workload = dataclasses.replace(self.workload, model=model, library_model=None)
-            checkpointing_on(workload)  # for good: the copy is this variant's alone
-            self._checkpointed = (workload, CompiledForwards(_OwnCode(model), self._compile))
+            workload = checkpointed_copy(self.workload)  # the copy is this variant's alone
+            forwards = CompiledForwards(_OwnCode(workload.model), self._compile)
+            self._checkpointed = (workload, forwards)
         return self._checkpointed
 
     def take_reference(self) -> None:

@@ -203,7 +203,7 @@ def format_title(
     rounds = len(measured[0].step_times) if measured else 0
     activations = next((row.activation_bytes for row in rows if row.activation_bytes), None)
     kind = torch.device(device).type
-    machine = f"cpu ({cpu_text(dtype)})" if kind == "cpu" else kind
+    machine = cpu_text(dtype) if kind == "cpu" else kind
     parts = [description, f"{machine} {dtype_text(dtype)}", threads_text(threads)]
     if compiled:
         parts.insert(1, "torch.compile (inductor), deterministic algorithms")
@@ -217,19 +217,19 @@ def format_title(
 
 
 def cpu_text(dtype: str) -> str:
-    """The vector instructions torch's CPU kernels use here (``'AVX2'``, ``'AVX512'``),
+    """``'cpu (AVX2)'``: the vector instructions torch's CPU kernels use here,
     and, for a bfloat16 run on an x86 CPU without AVX512-BF16 or AMX, that it has no
     bfloat16 instructions: there bfloat16 steps run many times slower than float32
     ones (the bench's ``small``: 4.1 s against 0.15 s on an AVX2 EPYC), so figures
     from two CPUs compare only where this reads the same."""
     capability = str(torch.backends.cpu.get_cpu_capability())
     if dtype != "bfloat16" or not capability.startswith("AVX"):
-        return capability
+        return f"cpu ({capability})"
     native = (
         getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)()
         or getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     )
-    return capability if native else f"{capability}, no bfloat16 instructions"
+    return f"cpu ({capability})" if native else f"cpu ({capability}, no bfloat16 instructions)"
 
 
 def dtype_text(dtype: str) -> str:

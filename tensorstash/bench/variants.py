@@ -18,6 +18,8 @@ A variant is a name; :func:`variant_context` runs a region under it. Names:
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import importlib.util
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -208,6 +210,15 @@ def checkpointing_on(workload: Workload) -> Callable[[], None]:
     if workload.checkpointing is not None:
         return workload.checkpointing(workload.model)
     return _recompute_blocks(workload)
+
+
+def checkpointed_copy(workload: Workload) -> Workload:
+    """The workload on a copy of its model whose "checkpoint" peer is on for good, as a
+    user turns it on (HF's enable adds a hook that no disable takes off)."""
+    model = copy.deepcopy(workload.model)
+    copied = dataclasses.replace(workload, model=model, library_model=None)
+    checkpointing_on(copied)
+    return copied
 
 
 def _recompute_blocks(workload: Workload) -> Callable[[], None]:
