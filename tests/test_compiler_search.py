@@ -3,6 +3,8 @@ tensorstash/planning/compiler.py), fed by hand: which setting each step runs at,
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -88,7 +90,7 @@ def test_search_goes_up_while_the_setting_above_holds_less() -> None:
     compiling = {0.5: 1.3, 0.25: 1.3, 0.1: 1.3, 0.0: 1.0}
     steps = {0.0: [(1.0, 64 * MIB)], 0.1: [(1.0, 46 * MIB)], 0.25: [(1.0, 51 * MIB)]}
     ran = _run(search, steps, compiling, kept)
-    assert ran[-4:] == [0.0, 0.1, 0.25, 0.1]
+    assert ran[-5:] == [0.0, 0.1, 0.25, 0.5, 0.1]  # 0.5: over the budget (rule 11)
     assert search.choice == 0.1
 
 
@@ -168,6 +170,71 @@ def test_search_steps_a_setting_whose_compile_was_not_timed() -> None:
     ran = _run(search, steps)  # no compile step timed: each setting is stepped for its time
     assert ran[len(_compiled_down_to_explore()) :] == [0.1, 0.25, 0.5, 0.1]
     assert search.choice == 0.1
+
+
+# What the bench's ``small`` kept under bf16 autocast at each setting (rule 11).
+SMALL_BF16 = {1.0: 34 * MIB, 0.5: 14 * MIB, 0.25: 8 * MIB, 0.1: 5 * MIB, 0.0: 0}
+
+
+def _small_bf16_steps(peak_at_half: float, step_at_half: float) -> Steps:
+    """A budget of 8.5 MiB fits 0.25 and 0.1; 0.5, over it, ran as given."""
+    return {
+        0.1: [(1.05, int(31.1 * MIB))],
+        0.25: [(1.07, int(31.5 * MIB))],
+        0.5: [(step_at_half, int(peak_at_half * MIB))],
+    }
+
+
+def test_search_names_the_setting_over_the_budget_that_held_less_and_warns_once() -> None:
+    """Rule 11: the bench's ``small`` under bf16 autocast at a quarter of its bytes kept
+    0.1 and held 31.1 MiB, where 0.5, over the budget, held 27.1 MiB at a faster step.
+    The plan keeps to the budget, and says which budget would hold less."""
+    search = CompiledSearch(budget=int(8.5 * MIB))
+    ran = _run(search, _small_bf16_steps(27.1, 1.0), {0.5: 1.0, 0.25: 1.1, 0.1: 1.1}, SMALL_BF16)
+    assert ran[-2:] == [0.5, 0.1]  # one step over the budget for its peak, then the plan
+    assert ran.count(0.5) == 2  # its compile, and that one step: nothing compiled again
+    plan = search.plan()
+    assert plan.setting == 0.1 and plan.kept_bytes <= plan.budget_bytes
+    assert plan.over is search.trials[0.5]
+    assert plan.advice is not None and f"{14 * MIB} bytes or more" in plan.advice
+    assert "buys no real memory" in plan.table()
+    with pytest.warns(RuntimeWarning, match="activation_memory_budget=0.5, which keeps 14.0 MiB"):
+        search.advise()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        search.advise()  # once per search: no second warning
+
+
+def test_search_steps_no_setting_over_the_budget_at_1() -> None:
+    """Rule 11: 1.0's graphs under the pair compiled in the first step, with the
+    session's module hooks on; a planned step at 1.0 would compile them again. A 13 MiB
+    budget fits 0.5, so the setting over it is 1.0: no step more."""
+    search = CompiledSearch(budget=13 * MIB)
+    ran = _run(search, _fitting_steps(), {0.5: 1, 0.25: 1, 0.1: 1})
+    assert ran.count(1.0) == 1 and search.plan().over is None
+
+
+@pytest.mark.parametrize(
+    ("peak_at_half", "step_at_half"),
+    [(31.0, 1.0), (27.1, 1.05 * (1 + TIE) + 0.05)],
+    ids=["held-about-as-much", "slower"],
+)
+def test_search_names_no_setting_over_the_budget_that_held_as_much_or_ran_slower(
+    peak_at_half: float, step_at_half: float
+) -> None:
+    """Rule 11: a setting over the budget is named only where it held ``LOWER`` less at a
+    step as fast: otherwise the budget buys memory, or time is what it costs."""
+    search = CompiledSearch(budget=int(8.5 * MIB))
+    steps = _small_bf16_steps(peak_at_half, step_at_half)
+    for _ in range(CHANCES):  # enough timings of 0.5 to tell it slower
+        steps[0.5].append(steps[0.5][0])
+    _run(search, steps, {0.5: step_at_half, 0.25: 1.1, 0.1: 1.1}, SMALL_BF16)
+    plan = search.plan()
+    assert plan.setting == 0.1 and plan.over is None and plan.advice is None
+    assert "buys no real memory" not in plan.table()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        search.advise()  # no warning
 
 
 def test_search_with_nothing_fitting_takes_the_least_kept() -> None:

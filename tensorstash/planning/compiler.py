@@ -124,6 +124,24 @@
     1.02-1.21x against 1.12-1.18x, and 1.10-1.28x against 1.01-1.26x). A
     step that pushes nothing has no backward end to close a lease at, and
     runs the user's graphs untouched.
+11. A budget can cost step time and buy no real memory: what the forward
+    keeps is not all a step holds at its peak (the parameters' gradients,
+    what backward recomputes at once), and a setting that keeps less may peak
+    higher. The bench's ``small`` under bf16 autocast (2 threads), at a budget
+    of a quarter of what it keeps at 1.0 (8.5 MiB), planned 0.1 and held 31.1
+    MiB at 1.07x the compiled model's step, while 0.5, which keeps 14.1 MiB,
+    held 27.1 MiB at 1.02x; every setting that fits, 0.1 to 0.26 on a finer
+    grid, held 27-32 MiB at a slower step. So before it settles, the search
+    steps once at the setting over the budget that keeps least (compiled on the
+    way down, so no compile more) for its real peak, if it is below 1.0 (1.0's
+    graphs under the pair compiled in the first step, with the session's module
+    hooks on, so a planned step at 1.0 would compile them again: HF GPT-2 did,
+    once the search was done; and 1.0 is the compiled model alone, whose peak
+    the user has); where it held ``LOWER``
+    less than the plan at a step as fast (``TIE``), the plan's table says so,
+    and a warning, once per search, names the budget that would hold less at a
+    faster step. The plan keeps to the budget all the same: the budget is the
+    user's, and what the forward keeps is what it bounds.
 """
 
 from __future__ import annotations
@@ -133,6 +151,7 @@ import statistics
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,6 +186,9 @@ POOL_SHARE = 16
 1.0 over this (rule 10)."""
 POOL_LEAST = 2 << 20
 """The least cap of the session pool a step at a setting leases on the CPU (rule 10)."""
+LOWER = 0.05
+"""A setting over the budget that held this share less than the plan at its real peak,
+at a step as fast, is named in the plan (rule 11)."""
 
 _local = threading.local()
 
@@ -590,6 +612,9 @@ class CompilerPlan:
         """Whether the plan pushes nothing (the user's graphs run untouched)."""
         return self.setting is None
 
+    over: Trial | None = None
+    """Rule 11: the setting over the budget that keeps least, where it held ``LOWER``
+    less than the plan at its real peak at a step as fast; else None."""
     recompute: tuple[str, ...] = ()
     base_step_s: float | None = None
     fits = True
@@ -607,6 +632,24 @@ class CompilerPlan:
             return "nothing (the compiled graphs keep what fits)"
         saved = ", random ops saved" if self.saves_random else ""
         return f"activation_memory_budget={self.setting}{saved}"
+
+    @property
+    def advice(self) -> str | None:
+        """Rule 11, in a sentence: the budget that would hold less at a faster step, or
+        None where no setting over the budget did."""
+        over = self.over
+        mine = next((t for t in self.trials if t.setting == self.setting), None)
+        if over is None or mine is None or over.peak_bytes is None or mine.peak_bytes is None:
+            return None
+        return (
+            f"the budget {human_bytes(self.budget_bytes)} buys no real memory here: "
+            f"activation_memory_budget={over.setting}, which keeps "
+            f"{human_bytes(over.kept_bytes or 0)} (over the budget), held "
+            f"{human_bytes(over.peak_bytes)} at its real peak against the plan's "
+            f"{human_bytes(mine.peak_bytes)} (activation_memory_budget={self.setting}), at a "
+            f"step as fast or faster; a budget of {over.kept_bytes} bytes or more holds less "
+            "at a faster step"
+        )
 
     def table(self) -> str:
         """The plan for people: the budget, what the compiler was asked for, each trial."""
@@ -635,6 +678,8 @@ class CompilerPlan:
                 f"  activation_memory_budget={trial.setting:<5} keeps {kept:>10}  "
                 f"step {step:>9}  real peak {peak:>10}"
             )
+        if self.advice is not None:
+            lines.append(f"  {self.advice}")
         return "\n".join(lines)
 
 
@@ -663,6 +708,9 @@ class CompiledSearch:
         self.current: float | None = 1.0
         self.random = False  # rule 7: the graphs draw random numbers
         self.device: torch.device | None = None  # where its steps ran
+        self.probed = False  # rule 11: the setting over the budget was stepped for its peak
+        self.advised = False  # rule 11: the settled plan was looked at for its warning
+        self.warned: set[int] = set()  # rule 11: the budgets warned of
 
     def rebudget(self, budget: int) -> None:
         """The budget resolved to ``budget`` this step: choose again from the trials if
@@ -672,7 +720,7 @@ class CompiledSearch:
         before = self._fitting()
         self.budget = budget
         if self.settled and self._fitting() != before:
-            self.settled = False
+            self.settled = self.probed = False
 
     def drew(self) -> None:
         """A step's forward drew random numbers (rule 7): from now on a budget of 0,
@@ -748,9 +796,58 @@ class CompiledSearch:
             short = None if as_fast(above) or peak(above) >= peak(best) else unsure(above)
             if short is not None:  # it held less: left out on its time only when sure
                 return short.setting
+        over = self._over()
+        if over is not None and not over.peaks and not self.probed:
+            self.probed = True  # rule 11: one step for its real peak
+            return over.setting
         return self._settle(best.setting)
 
+    def _over(self) -> Trial | None:
+        """Rule 11: the setting over the budget that keeps least (safe, timable, below
+        1.0)."""
+        over = [
+            trial
+            for setting, trial in self.trials.items()
+            if trial.kept_bytes is not None
+            and trial.kept_bytes > self.budget
+            and trial.timable
+            and self._safe(setting)
+            and setting < 1.0
+        ]
+        return min(over, key=lambda t: (t.kept_bytes or 0, -t.setting), default=None)
+
+    def _cheaper_over(self, setting: float | None) -> Trial | None:
+        """Rule 11: the setting over the budget that keeps least, where it held ``LOWER``
+        less than the plan at ``setting`` (one that fits) at a step as fast."""
+        mine = self.trials.get(setting) if setting is not None else None
+        over = self._over()
+        if mine is None or over is None or setting not in self._fitting():
+            return None
+        if over.peak_bytes is None or mine.peak_bytes is None:
+            return None
+        if over.peak_bytes >= mine.peak_bytes * (1 - LOWER) or _slower(over, mine):
+            return None
+        return over
+
+    def advise(self) -> None:
+        """Rule 11: warn, once per budget, where a settled plan's budget buys no real
+        memory."""
+        if not self.settled or self.advised:
+            return
+        self.advised = True  # looked at once per settling
+        advice = self.plan().advice
+        if advice is None or self.budget in self.warned:
+            return
+        self.warned.add(self.budget)
+        warnings.warn(
+            f"tensorstash.Auto: {advice}. Auto keeps to the budget. (Shown once per budget.)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
     def _settle(self, choice: float | None) -> float | None:
+        if not self.settled or choice != self.choice:
+            self.advised = False  # a plan made again may warn for its budget (rule 11)
         self.settled, self.choice = True, choice
         return choice
 
@@ -819,6 +916,7 @@ class CompiledSearch:
             tuple(self.trials[s] for s in SETTINGS if s in self.trials),
             self.settled,
             self.random,
+            self._cheaper_over(setting) if self.settled else None,
         )
 
 
