@@ -72,6 +72,18 @@ def test_row_round_trips_through_json_with_skips() -> None:
     assert bench.Row.from_dict(measured.to_dict()) == measured
 
 
+def test_table_names_the_budget_a_compiled_plan_advises() -> None:
+    """Rule 11 of NOTE [ Compiled code ]: where a plan's budget buys no real memory, the
+    bench says which budget would, under the row's plan, and keeps it in the JSON."""
+    advice = "the budget 8.5 MiB buys no real memory here: ..."
+    auto = _row("auto:25%", 1.07, 31 * MIB, plan_compiler="activation_memory_budget=0.1",
+                plan_advice=advice)  # fmt: skip
+    table = bench.format_table([_row("none", 1.0, 44 * MIB), auto])
+    asked = "auto:25%: the compiler is asked for activation_memory_budget=0.1"
+    assert f"{asked}\nauto:25%: {advice}" in table
+    assert bench.Row.from_dict(auto.to_dict()).plan_advice == advice
+
+
 def test_pareto_front_keeps_what_nothing_beats() -> None:
     rows = [
         _row("none", 1.0, 100),

@@ -41,6 +41,8 @@ class PlanReading:
             quiet step, after which it is made again once.
         compiler: what a plan for compiled code asks the compiler for
             (``CompilerPlan.asked``), else None.
+        advice: a plan for compiled code whose budget buys no real memory says
+            which budget would (``CompilerPlan.advice``), else None.
     """
 
     predicted_step_s: float | None
@@ -49,6 +51,7 @@ class PlanReading:
     base_step_s: float | None = None
     settled: bool = True
     compiler: str | None = None
+    advice: str | None = None
 
 
 def read_plan(session: Any) -> PlanReading | None:
@@ -74,6 +77,7 @@ def read_plan(session: Any) -> PlanReading | None:
         float(base) if base else None,
         settled,
         getattr(plan, "asked", None),
+        getattr(plan, "advice", None),
     )
 
 

@@ -114,6 +114,8 @@ def _notes(rows: Sequence[Row]) -> list[str]:
             lines.append(f"{row.policy}: the plan recomputes {', '.join(row.plan_recompute)}")
         if row.plan_compiler is not None:
             lines.append(f"{row.policy}: the compiler is asked for {row.plan_compiler}")
+        if row.plan_advice is not None:
+            lines.append(f"{row.policy}: {row.plan_advice}")
     lines.extend(_learning(rows))
     lines.extend(_compiles(rows))
     return lines

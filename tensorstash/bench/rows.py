@@ -67,6 +67,8 @@ class Row:
         plan_recompute: the modules the last timed step's plan recomputed.
         plan_compiler: what the last timed step's plan asked the compiler for (a
             plan for compiled code), else None.
+        plan_advice: where that plan's budget buys no real memory, which budget
+            would (rule 11 of NOTE [ Compiled code ]), else None.
         no_plan_step_times, no_plan_peak_bytes: with ``twins``, each timed step
             of the same Auto without a plan (rule 6 of the NOTE).
         skipped: why the variant did not run (an optional peer), else None.
@@ -103,6 +105,7 @@ class Row:
     peak_over_predicted: float | None = None
     plan_recompute: tuple[str, ...] = ()
     plan_compiler: str | None = None
+    plan_advice: str | None = None
     no_plan_step_times: tuple[float, ...] = ()
     no_plan_peak_bytes: tuple[int, ...] = ()
     skipped: str | None = None
@@ -246,6 +249,7 @@ def summarize(
         peak_over_predicted=_median_of(m / p for m, p in peak_plans),
         plan_recompute=plans[-1][1].recompute if plans else (),
         plan_compiler=plans[-1][1].compiler if plans else None,
+        plan_advice=plans[-1][1].advice if plans else None,
         warmup_steps=len(checked),
         graphs=sum(r.graphs for r in (*checked, *steps)),
         timed_graphs=sum(r.graphs for r in steps),
