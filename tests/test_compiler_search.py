@@ -205,6 +205,23 @@ def test_search_names_the_setting_over_the_budget_that_held_less_and_warns_once(
         search.advise()  # once per search: no second warning
 
 
+def test_search_steps_each_setting_over_the_budget_and_names_the_one_that_held_less() -> None:
+    """Rule 11: the bench's ``small`` in float32 at a quarter of its bytes: 0.25 and 0.5
+    are over the budget; 0.25 held more than the plan (0.1), 0.5 held less."""
+    kept = {1.0: 47 * MIB, 0.5: 26 * MIB, 0.25: 14 * MIB, 0.1: 7 * MIB, 0.0: 0}
+    search = CompiledSearch(budget=12 * MIB)
+    steps = {
+        0.1: [(1.1, 34 * MIB)],
+        0.25: [(1.07, int(40.6 * MIB))],
+        0.5: [(1.0, 33 * MIB)],
+    }
+    ran = _run(search, steps, {0.5: 1.0, 0.25: 1.07, 0.1: 1.1}, kept)
+    assert ran[-3:] == [0.25, 0.5, 0.1]  # each over the budget once, least kept first
+    plan = search.plan()
+    assert plan.setting == 0.1 and plan.over is search.trials[0.5]
+    assert plan.advice is not None and f"{26 * MIB} bytes or more" in plan.advice
+
+
 def test_search_steps_no_setting_over_the_budget_at_1() -> None:
     """Rule 11: 1.0's graphs under the pair compiled in the first step, with the
     session's module hooks on; a planned step at 1.0 would compile them again. A 13 MiB

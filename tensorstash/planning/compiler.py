@@ -132,14 +132,16 @@
     MiB at 1.07x the compiled model's step, while 0.5, which keeps 14.1 MiB,
     held 27.1 MiB at 1.02x; every setting that fits, 0.1 to 0.26 on a finer
     grid, held 27-32 MiB at a slower step. So before it settles, the search
-    steps once at the setting over the budget that keeps least (compiled on the
-    way down, so no compile more) for its real peak, if it is below 1.0 (1.0's
+    steps once at each setting over the budget (compiled on the way down, so no
+    compile more) for its real peak, those below 1.0 (1.0's
     graphs under the pair compiled in the first step, with the session's module
     hooks on, so a planned step at 1.0 would compile them again: HF GPT-2 did,
     once the search was done; and 1.0 is the compiled model alone, whose peak
-    the user has). Where it held ``LOWER`` less than the plan at a step as
-    fast (``TIE``), the plan's table says so, and a warning, once per budget,
-    names the budget that would hold less at a faster step. The plan keeps to
+    the user has). Of those that held ``LOWER`` less than the plan at a step
+    as fast (``TIE``), the one that keeps least is named: the plan's table
+    says so, and a warning, once per budget, gives the budget that would hold
+    less at a faster step (at a quarter of ``small``'s float32 bytes, 0.25 is
+    over the budget and held more than 0.1, 0.5 held less). The plan keeps to
     the budget all the same: the budget is the user's, and what the forward
     keeps is what it bounds. (Under the pool a planned step's real peak was the
     same within 0.3 MiB from step to step, so one step tells.) In float32 the
@@ -617,8 +619,8 @@ class CompilerPlan:
         return self.setting is None
 
     over: Trial | None = None
-    """Rule 11: the setting over the budget that keeps least, where it held ``LOWER``
-    less than the plan at its real peak at a step as fast; else None."""
+    """Rule 11: of the settings over the budget that held ``LOWER`` less than the plan at
+    their real peak at a step as fast, the one that keeps least; else None."""
     recompute: tuple[str, ...] = ()
     base_step_s: float | None = None
     fits = True
@@ -712,7 +714,7 @@ class CompiledSearch:
         self.current: float | None = 1.0
         self.random = False  # rule 7: the graphs draw random numbers
         self.device: torch.device | None = None  # where its steps ran
-        self.probed = False  # rule 11: the setting over the budget was stepped for its peak
+        self.probed: set[float] = set()  # rule 11: settings over the budget stepped for a peak
         self.advised = False  # rule 11: the settled plan was looked at for its warning
         self.warned: set[int] = set()  # rule 11: the budgets warned of
 
@@ -724,7 +726,8 @@ class CompiledSearch:
         before = self._fitting()
         self.budget = budget
         if self.settled and self._fitting() != before:
-            self.settled = self.probed = False
+            self.settled = False
+            self.probed.clear()
 
     def drew(self) -> None:
         """A step's forward drew random numbers (rule 7): from now on a budget of 0,
@@ -800,15 +803,15 @@ class CompiledSearch:
             short = None if as_fast(above) or peak(above) >= peak(best) else unsure(above)
             if short is not None:  # it held less: left out on its time only when sure
                 return short.setting
-        over = self._over()
-        if over is not None and not over.peaks and not self.probed:
-            self.probed = True  # rule 11: one step for its real peak
-            return over.setting
+        for over in self._overs():
+            if not over.peaks and over.setting not in self.probed:
+                self.probed.add(over.setting)  # rule 11: one step for its real peak
+                return over.setting
         return self._settle(best.setting)
 
-    def _over(self) -> Trial | None:
-        """Rule 11: the setting over the budget that keeps least (safe, timable, below
-        1.0)."""
+    def _overs(self) -> list[Trial]:
+        """Rule 11: the settings over the budget (safe, timable, below 1.0), those that
+        keep least first."""
         over = [
             trial
             for setting, trial in self.trials.items()
@@ -818,20 +821,25 @@ class CompiledSearch:
             and self._safe(setting)
             and setting < 1.0
         ]
-        return min(over, key=lambda t: (t.kept_bytes or 0, -t.setting), default=None)
+        return sorted(over, key=lambda t: (t.kept_bytes or 0, -t.setting))
 
     def _cheaper_over(self, setting: float | None) -> Trial | None:
-        """Rule 11: the setting over the budget that keeps least, where it held ``LOWER``
-        less than the plan at ``setting`` (one that fits) at a step as fast."""
+        """Rule 11: of the settings over the budget that held ``LOWER`` less than the plan
+        at ``setting`` (one that fits) at a step as fast, the one that keeps least."""
         mine = self.trials.get(setting) if setting is not None else None
-        over = self._over()
-        if mine is None or over is None or setting not in self._fitting():
+        if mine is None or mine.peak_bytes is None or setting not in self._fitting():
             return None
-        if over.peak_bytes is None or mine.peak_bytes is None:
-            return None
-        if over.peak_bytes >= mine.peak_bytes * (1 - LOWER) or _slower(over, mine):
-            return None
-        return over
+        lower = mine.peak_bytes * (1 - LOWER)
+        return next(
+            (
+                over
+                for over in self._overs()
+                if over.peak_bytes is not None
+                and over.peak_bytes < lower
+                and not _slower(over, mine)
+            ),
+            None,
+        )
 
     def advise(self) -> None:
         """Rule 11: warn, once per budget, where a settled plan's budget buys no real
