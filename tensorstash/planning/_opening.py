@@ -89,7 +89,6 @@ def compiled_planning(auto: Any, ctx: Context, min_bytes: int) -> CompiledStepPl
     device = compiler.known(profile).device or torch.device("cpu")
     search = compiler.search_for(profile, auto.device_budget, auto.budget_bytes(ctx, device))
     setting = search.setting_for_step()
-    search.advise()  # rule 11 of NOTE [ Compiled code ]
     if setting is None:
         return CompiledStepPlanning(Opening(State.QUIET), search)
     # Rule 5: a settled plan's steps are timed, and take no real peak.

@@ -643,16 +643,15 @@ class CompilerPlan:
     def advice(self) -> str | None:
         """Rule 11, in a sentence: the budget that would hold less at a faster step, or
         None where no setting over the budget did."""
-        over = self.over
-        mine = next((t for t in self.trials if t.setting == self.setting), None)
-        if over is None or mine is None or over.peak_bytes is None or mine.peak_bytes is None:
+        over, mine = self.over, self.predicted_peak_bytes  # the plan's setting's peak
+        if over is None or over.peak_bytes is None or mine is None:
             return None
         return (
             f"the budget {human_bytes(self.budget_bytes)} buys no real memory here: "
             f"activation_memory_budget={over.setting}, which keeps "
             f"{human_bytes(over.kept_bytes or 0)} (over the budget), held "
             f"{human_bytes(over.peak_bytes)} at its real peak against the plan's "
-            f"{human_bytes(mine.peak_bytes)} (activation_memory_budget={self.setting}), at a "
+            f"{human_bytes(mine)} (activation_memory_budget={self.setting}), at a "
             f"step as fast or faster; a budget of {over.kept_bytes} bytes or more holds less "
             "at a faster step"
         )
@@ -715,7 +714,6 @@ class CompiledSearch:
         self.random = False  # rule 7: the graphs draw random numbers
         self.device: torch.device | None = None  # where its steps ran
         self.probed: set[float] = set()  # rule 11: settings over the budget stepped for a peak
-        self.advised = False  # rule 11: the settled plan was looked at for its warning
         self.warned: set[int] = set()  # rule 11: the budgets warned of
 
     def rebudget(self, budget: int) -> None:
@@ -743,7 +741,10 @@ class CompiledSearch:
 
     def setting_for_step(self) -> float | None:
         """The setting the next step runs at (None: push nothing)."""
+        settled = self.settled
         self.current = self._next()
+        if self.settled and not settled:
+            self._advise()  # rule 11: once the plan is made
         return self.current
 
     def _next(self) -> float | None:
@@ -841,12 +842,9 @@ class CompiledSearch:
             None,
         )
 
-    def advise(self) -> None:
-        """Rule 11: warn, once per budget, where a settled plan's budget buys no real
-        memory."""
-        if not self.settled or self.advised:
-            return
-        self.advised = True  # looked at once per settling
+    def _advise(self) -> None:
+        """Rule 11: warn, once per budget, where the plan just made has a budget that buys
+        no real memory."""
         advice = self.plan().advice
         if advice is None or self.budget in self.warned:
             return
@@ -854,12 +852,10 @@ class CompiledSearch:
         warnings.warn(
             f"tensorstash.Auto: {advice}. Auto keeps to the budget. (Shown once per budget.)",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
     def _settle(self, choice: float | None) -> float | None:
-        if not self.settled or choice != self.choice:
-            self.advised = False  # a plan made again may warn for its budget (rule 11)
         self.settled, self.choice = True, choice
         return choice
 
