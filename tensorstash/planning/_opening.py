@@ -18,6 +18,7 @@ a profile opens otherwise than hooked:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,8 +26,9 @@ import torch
 from torch import Tensor
 
 from tensorstash.core.policy import Context
-from tensorstash.planning import compiler
+from tensorstash.planning import _stowing, compiler
 from tensorstash.session.quiet import HOOKED, Opening, State
+from tensorstash.tiers.disk import DiskSpill
 
 OPENED_QUIET = Opening(State.OPENED_QUIET)
 
@@ -35,19 +37,31 @@ class CompiledPair:
     """A compiler's pair for one step (the :class:`~tensorstash.session.quiet.Pair` the
     session pushes in its place), and what the step told the profile."""
 
-    def __init__(self, step: compiler.CompiledStep, profile: Any, *, whole: bool) -> None:
+    def __init__(
+        self,
+        step: compiler.CompiledStep,
+        profile: Any,
+        *,
+        whole: bool,
+        stow: tuple[Any, Context] | None = None,
+    ) -> None:
         self.step = step
         self.profile = profile
         self.whole = whole  # the step is planned whole (rule 1), not detecting (rule 3)
+        self.stow = stow  # the tier and context the compiled forwards stow with (rule 12)
         self.pack = step.pair.pack
         self.unpack = step.pair.unpack
         self.plan: compiler.CompilerPlan | None = None
 
     def hand(self, pack: Callable[[Tensor], Any], unpack: Callable[[Any], Tensor]) -> None:
         compiler.handing(pack, unpack)
+        if self.stow is not None:
+            _stowing.stowing(*self.stow)
 
     def closed(self) -> None:
         compiler.handed()
+        if self.stow is not None:
+            _stowing.stowed()
         search = self.step.exited()
         known = compiler.known(self.profile)
         if search is None and not self.whole:
@@ -93,10 +107,25 @@ def compiled_planning(auto: Any, ctx: Context, min_bytes: int) -> CompiledStepPl
         return CompiledStepPlanning(Opening(State.QUIET), search)
     # Rule 5: a settled plan's steps are timed, and take no real peak.
     step = compiler.CompiledStep(
-        search, setting, min_bytes, device, known=True, peak=not search.settled
+        search,
+        setting,
+        min_bytes,
+        device,
+        known=True,
+        peak=not search.settled,
+        moving=search.moving,
     )
-    pair = CompiledPair(step, profile, whole=True)
+    stow = (_disk(auto.directory), ctx) if search.moving else None
+    pair = CompiledPair(step, profile, whole=True, stow=stow)
     return CompiledStepPlanning(Opening(State.QUIET, pair), search)
+
+
+@functools.cache
+def _disk(directory: str | None) -> DiskSpill:
+    """The disk tier compiled forwards stow to (rule 12 of NOTE [ Compiled code ]): written
+    by the training thread as the tensor is stowed, since the compiled graph may write
+    over the tensor's buffer once its last use is past."""
+    return DiskSpill(directory, background=False)
 
 
 def detecting(auto: Any, ctx: Context, min_bytes: int, quiet: bool) -> Opening:

@@ -147,10 +147,33 @@
     same within 0.3 MiB from step to step, so one step tells.) In float32 the
     same model at a half and a quarter of its bytes plans 0.1 (34.0 MiB), where
     0.5 keeps 25.6 MiB, a little over half, and held 32.9 MiB at a faster step.
+12. On the CPU, the setting rule 11 names is carried out within the budget:
+    what it keeps over the budget goes to the disk tier inside its graphs
+    (``_stowing.py``). Its pair (one per setting and bytes, rule 4; the bytes
+    are in its pack graph, so the compile cache keys them) traces, for the
+    first dense tensors of 256 KiB or more a forward graph keeps, until that
+    many bytes, ``tensorstash::stow`` instead of the pack of rule 3: the tensor
+    is written by the training thread (the graph may write over its buffer
+    once its last use is past) and a token owns the written value until
+    autograd frees it. Its unpack traces ``tensorstash::fetch``, which reads the
+    value back into a tensor the backward owns (the backward may write over
+    it, and a second backward reads it again). AOTAutograd inlines both at the
+    forward's end and the backward's start, where moving saves nothing at the
+    peak: while a pair that moves exists, every graph inductor compiles runs a
+    post-grad pass (``_stowing.Placement``, before the user's own) that puts
+    each stow after its tensor's last forward use and each fetch before its
+    value's first backward use (the lazy backward compile has no pair pushed,
+    so the pass cannot wait for one). The carry is compiled once and stepped
+    for its real peak, and is the plan where it keeps within the budget, held
+    ``LOWER`` less than the plan at a step as fast (``TIE``; left out for speed
+    only once it has ``CHANCES`` timings, as in rule 5); else the plan stays,
+    and rule 11 warns. Another budget drops the carry. On a device, what
+    leaves it is the compiler's own offload; no carry is made there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import statistics
 import sys
@@ -168,6 +191,7 @@ from torch import Tensor, fx, nn
 from tensorstash.core.stats import human_bytes
 from tensorstash.memory import _pool
 from tensorstash.memory._memory import meter
+from tensorstash.planning import _stowing
 
 SETTINGS: tuple[float, ...] = (1.0, 0.5, 0.25, 0.1, 0.0)
 """The partitioner budgets the search tries, the default partitioner first (rule 5)."""
@@ -206,12 +230,16 @@ def _count() -> _Count:
     return count
 
 
+thread_count = _count
+
+
 @dataclass
 class _Count:
     """This thread's reading of the inlined hooks (rule 3)."""
 
     bytes: int = 0
     tensors: int = 0
+    moved: int = 0  # rule 12: the bytes stowed
     min_bytes: int = 0
     device: torch.device | None = None
 
@@ -239,6 +267,11 @@ def _saved_fake(tensor: Tensor, scheme: str) -> Tensor:
 
 @torch.library.custom_op("tensorstash::reached", mutates_args=(), **_OP_TAGS)
 def _reached(token: Tensor) -> None:
+    note_reached()
+
+
+def note_reached() -> None:
+    """Rule 3: a compiled backward began; its end is noted once the engine's pass ends."""
     global _queued
     with _PENDING_LOCK:
         if _queued:
@@ -293,10 +326,10 @@ def prepare() -> CompilerHooks:
     return hooks_for(1.0)
 
 
-def _pack_graph() -> fx.Graph:
+def _pack_graph(scheme: str = SCHEME) -> fx.Graph:
     graph = fx.Graph()
     tensor = graph.placeholder("tensor")
-    token = graph.call_function(torch.ops.tensorstash.saved.default, (tensor, SCHEME))
+    token = graph.call_function(torch.ops.tensorstash.saved.default, (tensor, scheme))
     graph.output((tensor, token))
     return graph
 
@@ -341,13 +374,21 @@ def _drew(before: tuple[Any, ...], after: tuple[Any, ...]) -> bool:
 
 
 class _Pack(fx.GraphModule):
-    def __init__(self, setting: float) -> None:
-        super().__init__(nn.Module(), _pack_graph())
+    def __init__(self, setting: float, moving: int = 0) -> None:
+        # Rule 12: what a pair moves is in its graph, so the compile cache keys it.
+        self.scheme = SCHEME if not moving else f"{SCHEME};moving={moving}"
+        super().__init__(nn.Module(), _pack_graph(self.scheme))
         self.setting = setting
+        self.moving = moving
+        self._tracing: Any = None  # the forward graph being traced, and what it stows
+        self._stowed = 0
+        self._decided: dict[Any, bool] = {}
 
     def __call__(self, tensor: Tensor) -> Any:
         context = _compiling()
         if context is not None:
+            if self.moving and self._stows(tensor, context.get("_fw_graph"), context.get("_node")):
+                return _stowing.stow(tensor, self.scheme)  # rule 12
             return super().__call__(tensor)  # traced, then inlined (rule 2)
         hooks = getattr(_local, "handing", None)
         if not hooks:
@@ -355,10 +396,25 @@ class _Pack(fx.GraphModule):
         pack, unpack = hooks[-1]
         return _Handed(unpack, pack(tensor))
 
+    def _stows(self, tensor: Tensor, graph: Any, node: Any) -> bool:
+        """Rule 12: whether the tensor being traced is stowed: the first movable ones a
+        forward graph keeps, until ``moving`` bytes a graph are stowed. AOTAutograd calls the hook
+        more than once for a saved node: the first answer holds."""
+        if graph is not self._tracing:
+            self._tracing, self._stowed, self._decided = graph, 0, {}
+        decided = self._decided.get(node)
+        if decided is None:
+            decided = _stowing.movable(tensor) and self._stowed < self.moving
+            self._stowed += tensor.nbytes if decided else 0
+            self._decided[node] = decided
+        return decided
+
 
 class _Unpack(fx.GraphModule):
     def __call__(self, packed: Any) -> Any:
         if _compiling() is not None:
+            if len(packed) == 4:  # stowed (rule 12): token, shape, stride, dtype
+                return _stowing.fetch(packed)
             return super().__call__(packed)
         if isinstance(packed, _Handed):
             return packed.unpack(packed.value)
@@ -373,26 +429,31 @@ class CompilerHooks:
         pack, unpack: the hooks to push.
     """
 
-    def __init__(self, setting: float) -> None:
+    def __init__(self, setting: float, moving: int = 0) -> None:
         self.setting = setting
-        self.pack = _Pack(setting)
+        self.moving = moving
+        self.pack = _Pack(setting, moving)
         self.unpack = _Unpack(nn.Module(), _unpack_graph())
 
     def __repr__(self) -> str:
-        return f"CompilerHooks({self.setting})"
+        return f"CompilerHooks({self.setting}, moving={self.moving})"
 
 
-_PAIRS: dict[float, CompilerHooks] = {}
+_PAIRS: dict[tuple[float, int], CompilerHooks] = {}
 _PAIRS_LOCK = threading.Lock()
+_moving_made = False  # rule 12: a pair that moves was made (its backward compiles place too)
 
 
-def hooks_for(setting: float) -> CompilerHooks:
-    """The process's pair for ``setting`` (rule 4: the same object every time)."""
+def hooks_for(setting: float, moving: int = 0) -> CompilerHooks:
+    """The process's pair for ``setting`` that stows ``moving`` bytes a graph (rule 12),
+    the same object every time (rule 4)."""
+    global _moving_made
     with _PAIRS_LOCK:
         _keep_dynamo_out()
-        pair = _PAIRS.get(setting)
+        pair = _PAIRS.get((setting, moving))
         if pair is None:
-            pair = _PAIRS[setting] = CompilerHooks(setting)
+            pair = _PAIRS[(setting, moving)] = CompilerHooks(setting, moving)
+        _moving_made = _moving_made or moving > 0
         _watch_compiles()
         return pair
 
@@ -461,16 +522,22 @@ def _compile_starts(*_: Any) -> None:
     top = torch._C._autograd._top_saved_tensors_default_hooks(True)
     saved: list[Any] = getattr(_local, "patches", None) or []
     _local.patches = saved
+    patches = contextlib.ExitStack()
+    saved.append(patches)
+    if _moving_made:  # rule 12: a backward compiles lazily, with no pair pushed
+        import torch._inductor.config as inductor_config
+
+        user_pass = inductor_config.post_grad_custom_post_pass
+        if not isinstance(user_pass, _stowing.Placement):
+            placement = _stowing.Placement(user_pass)
+            patches.enter_context(inductor_config.patch(post_grad_custom_post_pass=placement))
     if top is None or not isinstance(top[0], _Pack):
-        saved.append(None)
         return
     setting = top[0].setting
     changes: dict[str, Any] = {"activation_memory_budget": setting}
     if setting < 1.0:  # rule 7
         changes["joint_custom_pass"] = _SaveRandom(config.joint_custom_pass)
-    patch = config.patch(**changes)
-    patch.__enter__()
-    saved.append(patch)
+    patches.enter_context(config.patch(**changes))
 
 
 class _SaveRandom:
@@ -527,9 +594,7 @@ def _is_random(node: fx.Node) -> bool:
 def _compile_ends(*_: Any) -> None:
     saved: list[Any] = getattr(_local, "patches", None) or []
     if saved:
-        patch = saved.pop()
-        if patch is not None:
-            patch.__exit__(None, None, None)
+        saved.pop().close()
     _CLOCK.ended()
 
 
@@ -621,6 +686,11 @@ class CompilerPlan:
     over: Trial | None = None
     """Rule 11: of the settings over the budget that held ``LOWER`` less than the plan at
     their real peak at a step as fast, the one that keeps least; else None."""
+    moving: int = 0
+    """Rule 12: the bytes a graph stows to the disk tier (0: none)."""
+    carry: Trial | None = None
+    """Rule 12: the steps of the setting over the budget with what it keeps over the
+    budget stowed, where the search tried it."""
     recompute: tuple[str, ...] = ()
     base_step_s: float | None = None
     fits = True
@@ -637,7 +707,13 @@ class CompilerPlan:
         if self.setting is None:
             return "nothing (the compiled graphs keep what fits)"
         saved = ", random ops saved" if self.saves_random else ""
-        return f"activation_memory_budget={self.setting}{saved}"
+        moved = (
+            f", about {human_bytes(self.moving)} a graph of what it keeps written to the disk "
+            "tier after its last forward use and read back before its first backward use"
+            if self.moving
+            else ""
+        )
+        return f"activation_memory_budget={self.setting}{saved}{moved}"
 
     @property
     def advice(self) -> str | None:
@@ -669,7 +745,7 @@ class CompilerPlan:
             f"compiled code: budget {human_bytes(self.budget_bytes)} kept for backward; "
             f"the compiler is asked for {asked}" + ("" if self.settled else " (still searching)")
         ]
-        for trial in self.trials:
+        for trial in (*self.trials, *((self.carry,) if self.carry is not None else ())):
             kept = "-" if trial.kept_bytes is None else human_bytes(trial.kept_bytes)
             step = (
                 f"{trial.step_s:.3f} s"
@@ -679,8 +755,9 @@ class CompilerPlan:
                 else f"~{trial.best_s:.3f} s"  # from the step that compiled it (rule 5)
             )
             peak = "-" if trial.peak_bytes is None else human_bytes(trial.peak_bytes)
+            moved = " + disk" if trial is self.carry else ""
             lines.append(
-                f"  activation_memory_budget={trial.setting:<5} keeps {kept:>10}  "
+                f"  activation_memory_budget={trial.setting:<5}{moved} keeps {kept:>10}  "
                 f"step {step:>9}  real peak {peak:>10}"
             )
         if self.advice is not None:
@@ -715,6 +792,10 @@ class CompiledSearch:
         self.device: torch.device | None = None  # where its steps ran
         self.probed: set[float] = set()  # rule 11: settings over the budget stepped for a peak
         self.warned: set[int] = set()  # rule 11: the budgets warned of
+        self.carry: Trial | None = None  # rule 12: the setting over the budget, carried out
+        self.carry_moving = 0  # rule 12: what the carry stows a graph
+        self.carried = False  # rule 12: the plan is the carry
+        self.moving = 0  # what the next step stows a graph (rule 12)
 
     def rebudget(self, budget: int) -> None:
         """The budget resolved to ``budget`` this step: choose again from the trials if
@@ -723,7 +804,8 @@ class CompiledSearch:
             return
         before = self._fitting()
         self.budget = budget
-        if self.settled and self._fitting() != before:
+        carried, self.carry, self.carry_moving, self.carried = self.carried, None, 0, False
+        if self.settled and (carried or self._fitting() != before):
             self.settled = False
             self.probed.clear()
 
@@ -740,9 +822,13 @@ class CompiledSearch:
         return not (self.random and setting == 0.0)
 
     def setting_for_step(self) -> float | None:
-        """The setting the next step runs at (None: push nothing)."""
+        """The setting the next step runs at (None: push nothing); :attr:`moving` is
+        what it stows a graph (rule 12)."""
         settled = self.settled
+        self.moving = 0
         self.current = self._next()
+        if self.settled and self.carried:
+            self.moving = self.carry_moving
         if self.settled and not settled:
             self._advise()  # rule 11: once the plan is made
         return self.current
@@ -808,7 +894,42 @@ class CompiledSearch:
             if not over.peaks and over.setting not in self.probed:
                 self.probed.add(over.setting)  # rule 11: one step for its real peak
                 return over.setting
+        carried = self._carry(best)
+        if carried is not None:
+            return carried
         return self._settle(best.setting)
+
+    def _carry(self, best: Trial) -> float | None:
+        """Rule 12: the setting over the budget that held less than the plan (rule 11),
+        with what it keeps over the budget stowed: the setting to step it at, the carry
+        once settled on, or None where the plan stays ``best``."""
+        if self.carry is None:
+            over = self._cheaper_over(best.setting)
+            if over is None or over.kept_bytes is None or self.device is None:
+                return None
+            if self.device.type != "cpu":
+                return None  # on a device, what leaves it is the compiler's offload
+            self.carry = Trial(over.setting)
+            self.carry_moving = over.kept_bytes - self.budget
+        carry = self.carry
+        if not carry.peaks:
+            if carry.timings >= CHANCES or not carry.timable:
+                return None  # its steps give no real peak: left out
+            self.moving = self.carry_moving
+            return carry.setting
+        fits = carry.kept_bytes is not None and carry.kept_bytes <= self.budget
+        mine = best.peak_bytes
+        lower = mine is not None and (carry.peak_bytes or 0) < mine * (1 - LOWER)
+        slower = _slower(carry, best)
+        if fits and lower and slower and carry.timings < CHANCES:
+            self.moving = self.carry_moving  # rule 5: left out for speed only when sure
+            return carry.setting
+        if fits and lower and not slower:
+            self._settle(carry.setting)
+            self.carried = True
+            self.moving = self.carry_moving
+            return carry.setting
+        return None
 
     def _overs(self) -> list[Trial]:
         """Rule 11: the settings over the budget (safe, timable, below 1.0), those that
@@ -856,7 +977,7 @@ class CompiledSearch:
         )
 
     def _settle(self, choice: float | None) -> float | None:
-        self.settled, self.choice = True, choice
+        self.settled, self.choice, self.carried = True, choice, False
         return choice
 
     def _least_kept(self, fits: list[float]) -> float | None:
@@ -885,10 +1006,28 @@ class CompiledSearch:
         first = order.index(max(fits))
         return order[: first + 1 + EXPLORE]
 
-    def measured(self, setting: float, kept: int, tensors: int) -> None:
+    def _trial(self, setting: float, moving: int) -> Trial | None:
+        """The trial a step at ``setting`` that stowed ``moving`` bytes a graph adds to."""
+        if not moving:
+            return self.trials.get(setting)
+        carry = self.carry
+        if carry is None or carry.setting != setting or moving != self.carry_moving:
+            return None  # a carry of another budget's
+        return carry
+
+    def measured(self, setting: float, kept: int, tensors: int, moving: int = 0) -> None:
         """A step at ``setting`` kept ``kept`` bytes in ``tensors`` tensors (none: its
         backward's end cannot be seen, so it is never timed). A setting keeps the most
-        any of its steps kept (rule 9): a plan that a larger step outgrows is made again."""
+        any of its steps kept (rule 9): a plan that a larger step outgrows is made again.
+        A step that stowed ``moving`` bytes a graph is the carry's (rule 12)."""
+        if moving:
+            carry = self._trial(setting, moving)
+            if carry is not None:
+                carry.kept_bytes = max(carry.kept_bytes or 0, kept)
+                carry.timable = tensors > 0
+                if self.carried and kept > self.budget:
+                    self.settled = False  # outgrown
+            return
         trial = self.trials.setdefault(setting, Trial(setting))
         grew = trial.kept_bytes is not None and kept > trial.kept_bytes
         trial.kept_bytes = kept if trial.kept_bytes is None else max(trial.kept_bytes, kept)
@@ -896,11 +1035,19 @@ class CompiledSearch:
         if self.settled and self.choice == setting and grew and kept > self.budget:
             self.settled = False  # outgrown; a plan chosen where none fits stays
 
-    def timed(self, setting: float, seconds: float, peak: int | None, *, compiled: bool) -> None:
+    def timed(
+        self,
+        setting: float,
+        seconds: float,
+        peak: int | None,
+        *,
+        compiled: bool,
+        moving: int = 0,
+    ) -> None:
         """A step at ``setting`` took ``seconds`` (less its compiling) and grew real
         memory by ``peak`` (None: not taken); a step that ``compiled`` gives its time
         only. A setting keeps its last :data:`WINDOW` times."""
-        trial = self.trials.get(setting)
+        trial = self._trial(setting, moving)
         if trial is None:
             return
         if compiled:
@@ -915,6 +1062,8 @@ class CompiledSearch:
         """The plan of the step about to run (after :meth:`setting_for_step`)."""
         setting = self.current
         trial = self.trials.get(1.0 if setting is None else setting)
+        if self.moving and self.carry is not None:
+            trial = self.carry
         return CompilerPlan(
             self.budget,
             setting,
@@ -924,7 +1073,9 @@ class CompiledSearch:
             tuple(self.trials[s] for s in SETTINGS if s in self.trials),
             self.settled,
             self.random,
-            self._cheaper_over(setting) if self.settled else None,
+            self._cheaper_over(setting) if self.settled and not self.carried else None,
+            moving=self.moving,
+            carry=self.carry,
         )
 
 
@@ -987,14 +1138,16 @@ class CompiledStep:
         known: bool = False,
         pool: int | str | None = "auto",
         peak: bool = True,
+        moving: int = 0,
     ) -> None:
         self.search = search
         self.setting = setting
+        self.moving = moving
         self.known = known
         self.lease = _lease(search, pool) if known else None
-        self.pair = hooks_for(setting)
+        self.pair = hooks_for(setting, moving)
         count = _count()
-        count.bytes = count.tensors = 0
+        count.bytes = count.tensors = count.moved = 0
         self.generators = _generators()  # rule 7
         count.min_bytes = min_bytes
         self.count = count
@@ -1026,7 +1179,7 @@ class CompiledStep:
         if drew:
             search.drew()
         search.device = count.device or search.device
-        search.measured(self.setting, count.bytes, count.tensors)
+        search.measured(self.setting, count.bytes, count.tensors, self.moving)
         if self.compiled:
             self._stop()  # what compiling holds is not the step's peak (rule 5)
         if not count.tensors or not (self.timing or self.lease is not None):
@@ -1051,7 +1204,13 @@ class CompiledStep:
             return
         compiling = _CLOCK.read() - self.compiling_s
         compiled = self.compiled or compiling > 0
-        search.timed(self.setting, ended - self.start - compiling, peak, compiled=compiled)
+        search.timed(
+            self.setting,
+            ended - self.start - compiling,
+            peak,
+            compiled=compiled,
+            moving=self.moving,
+        )
 
     def _stop(self) -> int | None:
         if self.meter is None:

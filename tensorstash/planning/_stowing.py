@@ -1,0 +1,201 @@
+"""The disk tier inside compiled graphs (rule 12 of NOTE [ Compiled code ] in compiler.py).
+
+A pair that moves (``CompilerHooks`` with ``moving`` bytes) traces, for each tensor a
+compiled forward keeps for backward, either the pair's usual pack or
+``tensorstash::stow``, which hands the tensor to a tier policy and returns a small
+token; its unpack traces ``tensorstash::fetch``, which brings the tensor back from the
+token. AOTAutograd inlines both at the forward's end and the backward's start, where
+moving saves nothing at the peak, so a post-grad pass (:class:`Placement`) puts each
+stow right after the last forward use of its tensor, and each fetch right before the
+first backward use of its value: the tensor leaves memory while the forward goes on, and
+comes back when the backward reaches it.
+
+The token owns the packed value: it is a tensor over a :class:`_Holder`'s bytes, and
+the holder, with the packed value and its spill file extent, is released when
+autograd frees the token with the graph's other saved tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+from weakref import WeakValueDictionary
+
+import torch
+from torch import Tensor, fx
+
+from tensorstash.core.policy import Context
+
+MOVE_FROM = 256 << 10
+"""The least tensor a pair that moves stows (smaller ones cost more calls than bytes)."""
+
+_local = threading.local()
+_ids = itertools.count(1)
+_HELD: WeakValueDictionary[int, _Holder] = WeakValueDictionary()
+_HELD_LOCK = threading.Lock()
+
+_OP_TAGS: dict[str, Any] = (
+    {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") else {}
+)
+
+
+class _Holder(bytearray):
+    """The bytes of a token (its id), and what the token owns: the packed value and the
+    policy and session context that unpack it (or the tensor itself, where no session
+    stows on this thread)."""
+
+    policy: Any
+    ctx: Context | None
+    packed: Any
+
+
+def stowing(policy: Any, ctx: Context) -> None:
+    """The compiled forwards that run on this thread from now on stow with ``policy``
+    in ``ctx`` (the session's), until :func:`stowed`."""
+    stack: list[tuple[Any, Context]] | None = getattr(_local, "stowing", None)
+    if stack is None:
+        stack = _local.stowing = []
+    stack.append((policy, ctx))
+
+
+def stowed() -> None:
+    """The session that called :func:`stowing` closed."""
+    stack: list[tuple[Any, Context]] = getattr(_local, "stowing", None) or []
+    if stack:
+        stack.pop()
+
+
+def _target() -> tuple[Any, Context] | None:
+    stack: list[tuple[Any, Context]] = getattr(_local, "stowing", None) or []
+    return stack[-1] if stack else None
+
+
+def _count_stowed(nbytes: int) -> None:
+    from tensorstash.planning import compiler
+
+    count = compiler.thread_count()
+    count.moved += nbytes
+    count.tensors += 1
+
+
+@torch.library.custom_op("tensorstash::stow", mutates_args=(), **_OP_TAGS)
+def _stow(tensor: Tensor, scheme: str) -> Tensor:
+    holder = _Holder(8)
+    target = _target()
+    if target is None:
+        holder.policy, holder.ctx, holder.packed = None, None, tensor.detach().clone()
+    else:
+        policy, ctx = target
+        holder.policy, holder.ctx = policy, ctx
+        holder.packed = policy.pack(tensor.detach(), ctx)
+    _count_stowed(tensor.nbytes)
+    with _HELD_LOCK:
+        key = next(_ids)
+        _HELD[key] = holder
+    holder[:] = key.to_bytes(8, "little")
+    return torch.frombuffer(holder, dtype=torch.uint8)  # the storage holds the holder
+
+
+@_stow.register_fake
+def _stow_fake(tensor: Tensor, scheme: str) -> Tensor:
+    return torch.empty(8, dtype=torch.uint8)
+
+
+@torch.library.custom_op("tensorstash::fetch", mutates_args=(), **_OP_TAGS)
+def _fetch(token: Tensor, shape: list[int], stride: list[int], dtype: torch.dtype) -> Tensor:
+    from tensorstash.planning import compiler
+
+    key = int.from_bytes(token.numpy().tobytes(), "little")
+    with _HELD_LOCK:
+        holder = _HELD.get(key)
+    if holder is None:
+        raise RuntimeError(
+            "tensorstash: a tensor stowed by a compiled forward is gone; this is a bug in "
+            "tensorstash (please report it)"
+        )
+    if holder.policy is None:
+        value = holder.packed
+    else:
+        value = holder.policy.unpack(holder.packed, holder.ctx)
+    # A copy the compiled backward owns: it may write over its inputs' buffers, and the
+    # value may be a spill file's own pages, read again by another backward.
+    out = torch.empty_strided(shape, stride, dtype=dtype)
+    out.copy_(value.view(dtype).view(shape) if value.shape != out.shape else value)
+    compiler.note_reached()
+    return out
+
+
+@_fetch.register_fake
+def _fetch_fake(token: Tensor, shape: list[int], stride: list[int], dtype: torch.dtype) -> Tensor:
+    return torch.empty_strided(shape, stride, dtype=dtype)
+
+
+fx.node.has_side_effect(torch.ops.tensorstash.stow.default)
+
+
+def movable(tensor: Tensor) -> bool:
+    """Whether a tensor a compiled forward keeps can be stowed: a dense CPU tensor of
+    at least :data:`MOVE_FROM` bytes, of static shape."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_sparse:
+        return False
+    if any(not isinstance(size, int) for size in tensor.shape):
+        return False  # dynamic shapes: the fetch's shape would be a symbol
+    return tensor.nbytes >= MOVE_FROM
+
+
+def stow(tensor: Tensor, scheme: str) -> tuple[Tensor, tuple[int, ...], tuple[int, ...], Any]:
+    """What a moving pair's pack traces for ``tensor``: the token, and its layout."""
+    token = torch.ops.tensorstash.stow.default(tensor, scheme)
+    return token, tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
+
+
+def fetch(packed: tuple[Tensor, tuple[int, ...], tuple[int, ...], Any]) -> Tensor:
+    """What a moving pair's unpack traces for a stowed value."""
+    token, shape, stride, dtype = packed
+    return torch.ops.tensorstash.fetch.default(token, list(shape), list(stride), dtype)
+
+
+class Placement:
+    """The post-grad pass that moves each stow after its tensor's last forward use and
+    each fetch before its value's first backward use; then runs the user's own pass.
+
+    Args:
+        then: the ``post_grad_custom_post_pass`` the user set, if any.
+    """
+
+    def __init__(self, then: Any = None) -> None:
+        self.then = then
+
+    def __call__(self, graph: fx.Graph) -> None:
+        place(graph)
+        if self.then is not None:
+            self.then(graph)
+
+    def uuid(self) -> Any:
+        then = None if self.then is None else self.then.uuid()
+        return ("tensorstash-placement-1", then)
+
+
+def place(graph: fx.Graph) -> int:
+    """Move the stows and fetches of ``graph`` next to their uses: how many moved."""
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    moved = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.tensorstash.stow.default:
+            source = node.args[0]
+            if not isinstance(source, fx.Node):
+                continue
+            uses = [use for use in source.users if use is not node and use.op != "output"]
+            last = max(uses, key=order.__getitem__) if uses else source
+            if order[last] > order[source] or last is source:
+                last.append(node)
+                moved += 1
+        elif node.target is torch.ops.tensorstash.fetch.default and node.users:
+            first = min(node.users, key=order.__getitem__)
+            first.prepend(node)
+            moved += 1
+    graph.lint()
+    return moved

@@ -1,0 +1,159 @@
+"""The disk tier inside compiled graphs (rule 12 of NOTE [ Compiled code ] in
+tensorstash/planning/compiler.py): stowed tensors come back bitwise, leave no file, and
+the placement pass puts each stow and fetch next to its uses."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from checks import leak_check
+from torch import fx, nn
+
+from tensorstash.core.policy import Context
+from tensorstash.core.stats import StashStats
+from tensorstash.planning import _stowing, compiler
+from tensorstash.tiers.disk import DiskSpill
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(torch, "compile") or not torch._dynamo.is_dynamo_supported(),
+    reason="torch.compile is not supported here",
+)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.Linear(64, 256), nn.Tanh()
+    ).eval()
+
+
+def _grads(model: nn.Module, fn: Callable[..., torch.Tensor], *, retain: bool = False) -> list:
+    model.zero_grad(set_to_none=True)
+    x = torch.randn(16, 32, 64, generator=torch.Generator().manual_seed(2))
+    loss = fn(x)
+    loss.backward(retain_graph=retain)
+    if retain:
+        loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _stowing_step(
+    model: nn.Module, fn: Callable[..., torch.Tensor], directory: Path, moving: int, **kw: Any
+) -> tuple[list, int]:
+    pair = compiler.hooks_for(1.0, moving)
+    ctx = Context(StashStats())
+    _stowing.stowing(DiskSpill(directory, background=False), ctx)
+    count = compiler.thread_count()
+    count.moved = 0
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pair.pack, pair.unpack):
+            grads = _grads(model, fn, **kw)
+    finally:
+        _stowing.stowed()
+    return grads, count.moved
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["aot_eager_decomp_partition", pytest.param("inductor", marks=pytest.mark.slow)],
+)
+def test_stowed_tensors_come_back_bitwise_and_leave_no_file(
+    fresh_dynamo: None, tmp_path: Path, backend: str
+) -> None:
+    model = _model()
+    fn = torch.compile(lambda x: model(x).square().mean(), backend=backend)
+    expected = _grads(model, fn)
+    grads, moved = _stowing_step(model, fn, tmp_path, 1 << 20)
+    assert moved >= 1 << 20  # at least what the pair was asked to stow
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
+    gc.collect()
+    assert len(_stowing._HELD) == 0, "a stowed value outlived its graph"
+    leak_check(directories=[tmp_path])
+
+
+def test_stowed_tensors_come_back_for_a_second_backward(fresh_dynamo: None, tmp_path: Path) -> None:
+    """``retain_graph=True``: the fetch runs twice, and the value is still there."""
+    model = _model()
+    fn = torch.compile(lambda x: model(x).square().mean(), backend="aot_eager_decomp_partition")
+    expected = _grads(model, fn, retain=True)
+    grads, moved = _stowing_step(model, fn, tmp_path, 1 << 20, retain=True)
+    assert moved > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
+    gc.collect()
+    leak_check(directories=[tmp_path])
+
+
+def test_stowed_tensors_without_a_session_stay_in_memory(fresh_dynamo: None) -> None:
+    """A compiled forward that runs under a moving pair with no session stowing on its
+    thread keeps its own copy: right gradients, no file."""
+    model = _model()
+    fn = torch.compile(lambda x: model(x).square().mean(), backend="aot_eager_decomp_partition")
+    expected = _grads(model, fn)
+    pair = compiler.hooks_for(1.0, 1 << 20)
+    with torch.autograd.graph.saved_tensors_hooks(pair.pack, pair.unpack):
+        grads = _grads(model, fn)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
+
+
+def test_a_moving_pair_is_another_pair_whose_graphs_the_cache_keys_apart() -> None:
+    """Rule 12: what a pair stows is in its pack graph, so another budget's graphs are
+    never found for it (rule 4: one pair per setting and bytes)."""
+    still, moving = compiler.hooks_for(0.5), compiler.hooks_for(0.5, 3 << 20)
+    assert still is compiler.hooks_for(0.5) and moving is compiler.hooks_for(0.5, 3 << 20)
+    assert moving is not still and moving is not compiler.hooks_for(0.5, 4 << 20)
+    assert str(3 << 20) in moving.pack.code and str(3 << 20) not in still.pack.code
+
+
+def _graph() -> tuple[fx.Graph, dict[str, fx.Node]]:
+    """A forward whose saved tensor is stowed at its end, and a backward that fetches it
+    at its start, as AOTAutograd inlines them."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    token_in = graph.placeholder("token_in")
+    a = graph.call_function(torch.ops.aten.relu.default, (x,))
+    b = graph.call_function(torch.ops.aten.mul.Tensor, (a, a))
+    c = graph.call_function(torch.ops.aten.sin.default, (b,))
+    d = graph.call_function(torch.ops.aten.cos.default, (c,))
+    fetched = graph.call_function(
+        torch.ops.tensorstash.fetch.default, (token_in, [4], [1], torch.float32)
+    )
+    stow = graph.call_function(torch.ops.tensorstash.stow.default, (a, "s"))
+    e = graph.call_function(torch.ops.aten.add.Tensor, (d, fetched))
+    graph.output((e, stow))
+    return graph, {"a": a, "b": b, "stow": stow, "fetch": fetched, "e": e, "d": d}
+
+
+def test_placement_puts_a_stow_after_the_last_use_and_a_fetch_before_the_first() -> None:
+    graph, nodes = _graph()
+    assert _stowing.place(graph) == 2
+    order = list(graph.nodes)
+    assert order.index(nodes["stow"]) == order.index(nodes["b"]) + 1  # a's last use
+    assert order.index(nodes["fetch"]) == order.index(nodes["e"]) - 1  # its first use
+
+
+def test_placement_runs_the_users_own_pass_and_keys_it() -> None:
+    class Theirs:
+        ran = 0
+
+        def __call__(self, graph: fx.Graph) -> None:
+            Theirs.ran += 1
+
+        def uuid(self) -> str:
+            return "theirs"
+
+    graph, _ = _graph()
+    placement = _stowing.Placement(Theirs())
+    placement(graph)
+    assert Theirs.ran == 1 and "theirs" in str(placement.uuid())
