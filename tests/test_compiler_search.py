@@ -585,12 +585,16 @@ def test_search_carries_nothing_on_a_device() -> None:
     assert ran[-1] == 0.1 and search.moving == 0 and search.carry is None
 
 
-def test_search_drops_its_carry_when_its_budget_moves() -> None:
-    """Rule 12: what a carry stows follows from the budget: another budget searches on
-    without it, and never finds the old carry's graphs."""
+def test_search_keeps_its_carry_while_it_fits_a_budget_that_moves() -> None:
+    """Rule 12: a budget that moves a little keeps a carry that still fits it (nothing
+    compiles again); one the carry no longer fits drops it, and the search goes on
+    without it, never finding the old carry's graphs."""
     search = _searched_to_the_carry()
     _carry(search, int(11.4 * MIB), 1.05, 25 * MIB)
-    search.rebudget(13 * MIB)
+    search.rebudget(int(12.2 * MIB))
+    assert search.carried and search.settled
+    assert search.setting_for_step() == 0.5 and search.moving == 14 * MIB
+    search.rebudget(11 * MIB)
     assert search.carry is None and not search.carried and not search.settled
     search.setting_for_step()
     assert search.moving != 14 * MIB

@@ -167,7 +167,7 @@
     for its real peak, and is the plan where it keeps within the budget, held
     ``LOWER`` less than the plan at a step as fast (``TIE``; left out for speed
     only once it has ``CHANCES`` timings, as in rule 5); else the plan stays,
-    and rule 11 warns. Another budget drops the carry. On a device, what
+    and rule 11 warns. A budget its carry no longer fits drops it. On a device, what
     leaves it is the compiler's own offload; no carry is made there.
 """
 
@@ -804,7 +804,13 @@ class CompiledSearch:
             return
         before = self._fitting()
         self.budget = budget
-        carried, self.carry, self.carry_moving, self.carried = self.carried, None, 0, False
+        carry, carried = self.carry, self.carried
+        if carry is not None and (carry.kept_bytes is None or carry.kept_bytes > budget):
+            # rule 12: a carry that no longer fits is dropped; one that does is kept,
+            # so that a budget that moves a little compiles nothing again
+            self.carry, self.carry_moving, self.carried = None, 0, False
+        else:
+            carried = False
         if self.settled and (carried or self._fitting() != before):
             self.settled = False
             self.probed.clear()
@@ -903,6 +909,9 @@ class CompiledSearch:
         """Rule 12: the setting over the budget that held less than the plan (rule 11),
         with what it keeps over the budget stowed: the setting to step it at, the carry
         once settled on, or None where the plan stays ``best``."""
+        base = self.trials.get(self.carry.setting) if self.carry is not None else None
+        if base is not None and base.kept_bytes is not None and base.kept_bytes <= self.budget:
+            self.carry, self.carry_moving = None, 0  # its setting fits now: nothing to carry
         if self.carry is None:
             over = self._cheaper_over(best.setting)
             if over is None or over.kept_bytes is None or self.device is None:
