@@ -199,6 +199,17 @@ def fresh_dynamo() -> Any:
     torch._dynamo.reset()
 
 
+def _counted_by_eager_hooks(session: Any) -> int:
+    """The tensors a session's stats counted, less those a carry's graphs wrote to disk
+    (rule 12 of NOTE [ Compiled code ])."""
+    stowed = session.plan is not None and getattr(session.plan, "moving", 0) > 0
+    return sum(
+        tier.tensors
+        for name, tier in session.stats.tiers.items()
+        if not (stowed and name == "disk")
+    )
+
+
 def _graphs() -> int:
     from torch._dynamo.utils import counters
 
@@ -234,8 +245,9 @@ def test_auto_plans_compiled_code_with_the_partitioners_budget(fresh_dynamo: Any
     model = _model().eval()
     fn = _compiled_fn(model)
     profile, auto = ts.Profile(), ts.Auto(device_budget=256 << 10)
-    # the search's steps: 1.0, each setting compiled once, their peaks, rule 11's steps
-    sessions, _ = _train(model, fn, auto, 10, profile)
+    # the search's steps: 1.0, each setting compiled once, their peaks, rule 11's steps,
+    # and rule 12's carry where rule 11 names a setting
+    sessions, _ = _train(model, fn, auto, 14, profile)
     plan = sessions[-1].plan
     assert plan.settled and plan.setting is not None and plan.setting < 1.0
     assert plan.kept_bytes is not None and plan.kept_bytes <= 256 << 10
@@ -245,8 +257,9 @@ def test_auto_plans_compiled_code_with_the_partitioners_budget(fresh_dynamo: Any
     graphs = _graphs()
     more, tail = _train(model, fn, auto, 2, profile)
     assert _graphs() == graphs and all(s.plan.setting == plan.setting for s in more)
-    # No eager hook saw a compiled graph's tensors: nothing was moved or counted.
-    assert all(tier.tensors == 0 for tier in more[-1].stats.tiers.values())
+    # No eager hook saw a compiled graph's tensors: nothing was moved or counted, but
+    # what a carry (rule 12) writes to disk inside the graphs.
+    assert _counted_by_eager_hooks(more[-1]) == 0
     assert functorch_config.activation_memory_budget == 1.0  # the user's value is back
 
     def at_setting(graph: Any, inputs: Any) -> Any:
@@ -312,14 +325,14 @@ def test_auto_plans_compiled_graphs_that_draw_random_numbers_with_their_draws_sa
     fn = _compiled_fn(model)
     _, reference = _train(model, fn, None, 1, None)
     profile = ts.Profile()
-    sessions, grads = _train(model, fn, ts.Auto(device_budget=64 << 10), 8, profile)
+    sessions, grads = _train(model, fn, ts.Auto(device_budget=64 << 10), 12, profile)
     for got in grads:
         assert all(torch.equal(a, b) for a, b in zip(got, reference[0], strict=True))
     plan = sessions[-1].plan
     assert plan.random and plan.settled and plan.setting is not None and plan.setting < 1.0
     assert 0.0 not in [t.setting for t in plan.trials]  # 0 recomputes random ops too
     assert "random ops saved (dropout's draws kept" in plan.table()
-    assert all(tier.tensors == 0 for tier in sessions[-1].stats.tiers.values())
+    assert _counted_by_eager_hooks(sessions[-1]) == 0
 
     def compilers_own(graph: Any, inputs: Any) -> Any:
         with functorch_config.patch(activation_memory_budget=plan.setting):
@@ -470,7 +483,7 @@ def test_auto_plans_a_fullgraph_compile(fresh_dynamo: Any) -> None:
     model = _model().eval()
     fn = torch.compile(lambda x: model(x).square().mean(), backend=PARTITIONED, fullgraph=True)
     _, reference = _train(model, fn, None, 1, None)
-    sessions, grads = _train(model, fn, ts.Auto(device_budget=256 << 10), 10, ts.Profile())
+    sessions, grads = _train(model, fn, ts.Auto(device_budget=256 << 10), 14, ts.Profile())
     plan = sessions[-1].plan
     assert plan.settled and plan.setting is not None and plan.setting < 1.0
     for got in grads:
@@ -512,7 +525,7 @@ def test_auto_plans_reduce_overhead_on_the_cpu_as_the_default_mode(fresh_dynamo:
     _, reference = _train(model, fn, None, 1, None)
     skips = counters["inductor"]["cudagraph_skips"]
     assert skips > 0
-    sessions, grads = _train(model, fn, ts.Auto(device_budget=256 << 10), 10, ts.Profile())
+    sessions, grads = _train(model, fn, ts.Auto(device_budget=256 << 10), 14, ts.Profile())
     plan = sessions[-1].plan
     assert plan.settled and plan.setting is not None and plan.setting < 1.0
     assert counters["inductor"]["cudagraph_skips"] > skips  # each setting's graphs too

@@ -5,7 +5,7 @@ compiled forward keeps for backward, either the pair's usual pack or
 ``tensorstash::stow``, which hands the tensor to a tier policy and returns a small
 token; its unpack traces ``tensorstash::fetch``, which brings the tensor back from the
 token. AOTAutograd inlines both at the forward's end and the backward's start, where
-moving saves nothing at the peak, so a post-grad pass (:class:`Placement`) puts each
+moving saves nothing at the peak, so a post-grad pass (:func:`placement`) puts each
 stow right after the last forward use of its tensor, and each fetch right before the
 first backward use of its value: the tensor leaves memory while the forward goes on, and
 comes back when the backward reaches it.
@@ -17,15 +17,17 @@ autograd frees the token with the graph's other saved tensors.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
+import weakref
 from typing import Any
 from weakref import WeakValueDictionary
 
 import torch
 from torch import Tensor, fx
 
-from tensorstash.core.policy import Context
+from tensorstash.core.policy import Context, Packed
 
 MOVE_FROM = 256 << 10
 """The least tensor a pair that moves stows (smaller ones cost more calls than bytes)."""
@@ -88,7 +90,10 @@ def _stow(tensor: Tensor, scheme: str) -> Tensor:
     else:
         policy, ctx = target
         holder.policy, holder.ctx = policy, ctx
-        holder.packed = policy.pack(tensor.detach(), ctx)
+        packed = holder.packed = policy.pack(tensor.detach(), ctx)
+        if isinstance(packed, Packed):  # the session's stats count it while it lives
+            ctx.account(packed)
+            weakref.finalize(holder, ctx.release, packed)
     _count_stowed(tensor.nbytes)
     with _HELD_LOCK:
         key = next(_ids)
@@ -156,25 +161,43 @@ def fetch(packed: tuple[Tensor, tuple[int, ...], tuple[int, ...], Any]) -> Tenso
     return torch.ops.tensorstash.fetch.default(token, list(shape), list(stride), dtype)
 
 
-class Placement:
+def placement(then: Any = None) -> Any:
     """The post-grad pass that moves each stow after its tensor's last forward use and
-    each fetch before its value's first backward use; then runs the user's own pass.
+    each fetch before its value's first backward use (:func:`place`), then runs ``then``,
+    the ``post_grad_custom_post_pass`` the user set, if any.
 
-    Args:
-        then: the ``post_grad_custom_post_pass`` the user set, if any.
+    An inductor ``CustomGraphPass`` whose ``uuid`` names both, so inductor's compile
+    cache keeps its graphs (a pass of another kind turns the cache off); made on first
+    use, as inductor is imported only where something compiles.
     """
+    return _placement_class()(then)
 
-    def __init__(self, then: Any = None) -> None:
-        self.then = then
 
-    def __call__(self, graph: fx.Graph) -> None:
-        place(graph)
-        if self.then is not None:
-            self.then(graph)
+def is_placement(value: Any) -> bool:
+    """Whether ``value`` is a pass made by :func:`placement`."""
+    return getattr(value, "tensorstash_placement", False) is True
 
-    def uuid(self) -> Any:
-        then = None if self.then is None else self.then.uuid()
-        return ("tensorstash-placement-1", then)
+
+@functools.cache
+def _placement_class() -> type:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Placement(CustomGraphPass):
+        tensorstash_placement = True
+
+        def __init__(self, then: Any) -> None:
+            self.then = then
+
+        def __call__(self, graph: fx.Graph) -> None:
+            place(graph)
+            if self.then is not None:
+                self.then(graph)
+
+        def uuid(self) -> Any:
+            then = None if self.then is None else self.then.uuid()
+            return ("tensorstash-placement", 1, then)
+
+    return Placement
 
 
 def place(graph: fx.Graph) -> int:

@@ -160,7 +160,7 @@
     it, and a second backward reads it again). AOTAutograd inlines both at the
     forward's end and the backward's start, where moving saves nothing at the
     peak: while a pair that moves exists, every graph inductor compiles runs a
-    post-grad pass (``_stowing.Placement``, before the user's own) that puts
+    post-grad pass (``_stowing.placement``, before the user's own) that puts
     each stow after its tensor's last forward use and each fetch before its
     value's first backward use (the lazy backward compile has no pair pushed,
     so the pass cannot wait for one). The carry is compiled once and stepped
@@ -528,8 +528,8 @@ def _compile_starts(*_: Any) -> None:
         import torch._inductor.config as inductor_config
 
         user_pass = inductor_config.post_grad_custom_post_pass
-        if not isinstance(user_pass, _stowing.Placement):
-            placement = _stowing.Placement(user_pass)
+        if not _stowing.is_placement(user_pass):
+            placement = _stowing.placement(user_pass)
             patches.enter_context(inductor_config.patch(post_grad_custom_post_pass=placement))
     if top is None or not isinstance(top[0], _Pack):
         return
