@@ -804,14 +804,14 @@ class CompiledSearch:
             return
         before = self._fitting()
         self.budget = budget
-        carry, carried = self.carry, self.carried
+        # Rule 12: a carry that no longer fits is dropped; one that does is kept, so that
+        # a budget that moves a little compiles nothing again.
+        carry = self.carry
+        dropped_plan = False
         if carry is not None and (carry.kept_bytes is None or carry.kept_bytes > budget):
-            # rule 12: a carry that no longer fits is dropped; one that does is kept,
-            # so that a budget that moves a little compiles nothing again
+            dropped_plan = self.carried
             self.carry, self.carry_moving, self.carried = None, 0, False
-        else:
-            carried = False
-        if self.settled and (carried or self._fitting() != before):
+        if self.settled and (dropped_plan or self._fitting() != before):
             self.settled = False
             self.probed.clear()
 
