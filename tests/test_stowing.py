@@ -109,6 +109,27 @@ def test_stowed_tensors_come_back_for_a_second_backward(fresh_dynamo: None, tmp_
     leak_check(directories=[tmp_path])
 
 
+def test_stowed_tensors_of_a_graph_freed_before_backward_leave_no_file(
+    fresh_dynamo: None, tmp_path: Path
+) -> None:
+    """A forward whose loss is dropped with no backward: its stowed values go with it."""
+    model = _model()
+    fn = torch.compile(lambda x: model(x).square().mean(), backend="aot_eager_decomp_partition")
+    pair = compiler.hooks_for(1.0, 1 << 20)
+    ctx = Context(StashStats())
+    _stowing.stowing(DiskSpill(tmp_path, background=False), ctx)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pair.pack, pair.unpack):
+            loss = fn(torch.randn(16, 32, 64))
+    finally:
+        _stowing.stowed()
+    assert ctx.stats.tiers["disk"].tensors > 0 and len(_stowing._HELD) > 0
+    del loss
+    gc.collect()
+    assert len(_stowing._HELD) == 0 and ctx.stats.live_bytes == 0
+    leak_check(directories=[tmp_path])
+
+
 def test_stowed_tensors_without_a_session_stay_in_memory(fresh_dynamo: None) -> None:
     """A compiled forward that runs under a moving pair with no session stowing on its
     thread keeps its own copy: right gradients, no file."""
