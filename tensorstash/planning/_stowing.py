@@ -27,7 +27,7 @@ from weakref import WeakValueDictionary
 import torch
 from torch import Tensor, fx
 
-from tensorstash.core.policy import Context, Packed
+from tensorstash.core.policy import Context, Packed, bug
 
 MOVE_FROM = 256 << 10
 """The least tensor a pair that moves stows (smaller ones cost more calls than bytes)."""
@@ -115,10 +115,7 @@ def _fetch(token: Tensor, shape: list[int], stride: list[int], dtype: torch.dtyp
     with _HELD_LOCK:
         holder = _HELD.get(key)
     if holder is None:
-        raise RuntimeError(
-            "tensorstash: a tensor stowed by a compiled forward is gone; this is a bug in "
-            "tensorstash (please report it)"
-        )
+        raise bug("a tensor a compiled forward stowed is gone before its backward")
     if holder.policy is None:
         value = holder.packed
     else:
@@ -126,7 +123,7 @@ def _fetch(token: Tensor, shape: list[int], stride: list[int], dtype: torch.dtyp
     # A copy the compiled backward owns: it may write over its inputs' buffers, and the
     # value may be a spill file's own pages, read again by another backward.
     out = torch.empty_strided(shape, stride, dtype=dtype)
-    out.copy_(value.view(dtype).view(shape) if value.shape != out.shape else value)
+    out.copy_(value)
     compiler.note_reached()
     return out
 
