@@ -178,21 +178,26 @@ def test_placement_puts_a_stow_after_the_last_use_and_a_fetch_before_the_first()
     assert order.index(nodes["fetch"]) == order.index(nodes["e"]) - 1  # its first use
 
 
-def test_placement_runs_the_users_own_pass_and_keys_it() -> None:
-    class Theirs:  # the user's own post-grad pass
-        ran = 0
+def test_placement_comes_before_the_users_own_passes_and_keeps_the_cache_on() -> None:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
+    class Theirs(CustomGraphPass):  # the user's own post-grad pass
         def __call__(self, graph: fx.Graph) -> None:
-            Theirs.ran += 1
+            return None
 
         def uuid(self) -> str:
             return "theirs"
 
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    graph, _ = _graph()
-    placement = _stowing.placement(Theirs())
+    theirs = Theirs()
+    for passes in (None, theirs, [theirs, theirs]):
+        chosen = _stowing.with_placement(passes)
+        assert chosen is not None
+        placement, *rest = chosen
+        assert rest == ([] if passes is None else [theirs] if passes is theirs else passes)
+        # a CustomGraphPass with a uuid: inductor's compile cache stays on
+        assert isinstance(placement, CustomGraphPass) and placement.uuid()
+        assert _stowing.with_placement(chosen) is None  # not twice
+    graph, nodes = _graph()
     placement(graph)
-    assert Theirs.ran == 1 and "theirs" in str(placement.uuid())
-    # a CustomGraphPass with a uuid: inductor's compile cache stays on
-    assert isinstance(placement, CustomGraphPass) and _stowing.is_placement(placement)
+    order = list(graph.nodes)
+    assert order.index(nodes["stow"]) == order.index(nodes["b"]) + 1

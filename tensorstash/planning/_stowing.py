@@ -5,7 +5,7 @@ compiled forward keeps for backward, either the pair's usual pack or
 ``tensorstash::stow``, which hands the tensor to a tier policy and returns a small
 token; its unpack traces ``tensorstash::fetch``, which brings the tensor back from the
 token. AOTAutograd inlines both at the forward's end and the backward's start, where
-moving saves nothing at the peak, so a post-grad pass (:func:`placement`) puts each
+moving saves nothing at the peak, so a post-grad pass (:func:`with_placement`) puts each
 stow right after the last forward use of its tensor, and each fetch right before the
 first backward use of its value: the tensor leaves memory while the forward goes on, and
 comes back when the backward reaches it.
@@ -158,21 +158,21 @@ def fetch(packed: tuple[Tensor, tuple[int, ...], tuple[int, ...], Any]) -> Tenso
     return torch.ops.tensorstash.fetch.default(token, list(shape), list(stride), dtype)
 
 
-def placement(then: Any = None) -> Any:
-    """The post-grad pass that moves each stow after its tensor's last forward use and
-    each fetch before its value's first backward use (:func:`place`), then runs ``then``,
-    the ``post_grad_custom_post_pass`` the user set, if any.
+def with_placement(passes: Any) -> list[Any] | None:
+    """The ``post_grad_custom_post_pass`` to compile with: the placement pass
+    (:func:`place`) first, then the user's own (one pass, a list of them, or None); None
+    where the placement pass is there already.
 
-    An inductor ``CustomGraphPass`` whose ``uuid`` names both, so inductor's compile
-    cache keeps its graphs (a pass of another kind turns the cache off); made on first
-    use, as inductor is imported only where something compiles.
+    Each is an inductor ``CustomGraphPass`` with a ``uuid``, so inductor's compile cache
+    stays on (a pass of another kind turns it off). Made on first use, as inductor is
+    imported only where something compiles.
     """
-    return _placement_class()(then)
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes
 
-
-def is_placement(value: Any) -> bool:
-    """Whether ``value`` is a pass made by :func:`placement`."""
-    return getattr(value, "tensorstash_placement", False) is True
+    theirs = get_custom_graph_passes(passes)
+    if any(getattr(each, "tensorstash_placement", False) is True for each in theirs):
+        return None
+    return [_placement_class()(), *theirs]
 
 
 @functools.cache
@@ -182,17 +182,11 @@ def _placement_class() -> type:
     class Placement(CustomGraphPass):
         tensorstash_placement = True
 
-        def __init__(self, then: Any) -> None:
-            self.then = then
-
         def __call__(self, graph: fx.Graph) -> None:
             place(graph)
-            if self.then is not None:
-                self.then(graph)
 
         def uuid(self) -> Any:
-            then = None if self.then is None else self.then.uuid()
-            return ("tensorstash-placement", 1, then)
+            return ("tensorstash-placement", 1)
 
     return Placement
 

@@ -160,7 +160,7 @@
     it, and a second backward reads it again). AOTAutograd inlines both at the
     forward's end and the backward's start, where moving saves nothing at the
     peak: while a pair that moves exists, every graph inductor compiles runs a
-    post-grad pass (``_stowing.placement``, before the user's own) that puts
+    post-grad pass (``_stowing.with_placement``, before the user's own) that puts
     each stow after its tensor's last forward use and each fetch before its
     value's first backward use (the lazy backward compile has no pair pushed,
     so the pass cannot wait for one). The carry is compiled once and stepped
@@ -527,10 +527,9 @@ def _compile_starts(*_: Any) -> None:
     if _moving_made:  # rule 12: a backward compiles lazily, with no pair pushed
         import torch._inductor.config as inductor_config
 
-        user_pass = inductor_config.post_grad_custom_post_pass
-        if not _stowing.is_placement(user_pass):
-            placement = _stowing.placement(user_pass)
-            patches.enter_context(inductor_config.patch(post_grad_custom_post_pass=placement))
+        passes = _stowing.with_placement(inductor_config.post_grad_custom_post_pass)
+        if passes is not None:
+            patches.enter_context(inductor_config.patch(post_grad_custom_post_pass=passes))
     if top is None or not isinstance(top[0], _Pack):
         return
     setting = top[0].setting
