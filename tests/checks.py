@@ -281,6 +281,14 @@ def assert_went_to(session: Any, tier: str) -> None:
         assert counts[other] == 0, f"tensors reached tier {other!r}, expected {tier!r}:\n{table}"
 
 
+def moved_by_eager_hooks(session: Any, tier: str) -> int:
+    """The tensors a session's stats count in ``tier`` that eager hooks moved: all of
+    them, less what a compiled plan's carry wrote to disk inside its graphs (rule 12 of
+    NOTE [ Compiled code ])."""
+    carried = session.plan is not None and getattr(session.plan, "moving", 0) > 0
+    return 0 if carried and tier == "disk" else tier_counts(session)[tier]
+
+
 # -- the README ---------------------------------------------------------------------------
 
 README = Path(__file__).parent.parent / "README.md"

@@ -14,10 +14,12 @@ from typing import Any
 
 import pytest
 import torch
-from checks import leak_check
+from checks import leak_check, moved_by_eager_hooks
 from torch import nn
 
 import tensorstash as ts
+
+TIERS = ("kept", "host", "disk")
 
 pytestmark = pytest.mark.skipif(
     not hasattr(torch, "compile") or not torch._dynamo.is_dynamo_supported(),
@@ -199,17 +201,6 @@ def fresh_dynamo() -> Any:
     torch._dynamo.reset()
 
 
-def _counted_by_eager_hooks(session: Any) -> int:
-    """The tensors a session's stats counted, less those a carry's graphs wrote to disk
-    (rule 12 of NOTE [ Compiled code ])."""
-    stowed = session.plan is not None and getattr(session.plan, "moving", 0) > 0
-    return sum(
-        tier.tensors
-        for name, tier in session.stats.tiers.items()
-        if not (stowed and name == "disk")
-    )
-
-
 def _graphs() -> int:
     from torch._dynamo.utils import counters
 
@@ -259,7 +250,7 @@ def test_auto_plans_compiled_code_with_the_partitioners_budget(fresh_dynamo: Any
     assert _graphs() == graphs and all(s.plan.setting == plan.setting for s in more)
     # No eager hook saw a compiled graph's tensors: nothing was moved or counted, but
     # what a carry (rule 12) writes to disk inside the graphs.
-    assert _counted_by_eager_hooks(more[-1]) == 0
+    assert sum(moved_by_eager_hooks(more[-1], tier) for tier in TIERS) == 0
     assert functorch_config.activation_memory_budget == 1.0  # the user's value is back
 
     def at_setting(graph: Any, inputs: Any) -> Any:
@@ -332,7 +323,7 @@ def test_auto_plans_compiled_graphs_that_draw_random_numbers_with_their_draws_sa
     assert plan.random and plan.settled and plan.setting is not None and plan.setting < 1.0
     assert 0.0 not in [t.setting for t in plan.trials]  # 0 recomputes random ops too
     assert "random ops saved (dropout's draws kept" in plan.table()
-    assert _counted_by_eager_hooks(sessions[-1]) == 0
+    assert sum(moved_by_eager_hooks(sessions[-1], tier) for tier in TIERS) == 0
 
     def compilers_own(graph: Any, inputs: Any) -> Any:
         with functorch_config.patch(activation_memory_budget=plan.setting):

@@ -22,7 +22,13 @@ from typing import Any
 
 import pytest
 import torch
-from checks import assert_grads_equal, leak_check, model_policy_params, run_case
+from checks import (
+    assert_grads_equal,
+    leak_check,
+    model_policy_params,
+    moved_by_eager_hooks,
+    run_case,
+)
 from torch._dynamo.utils import counters
 from zoo import ZOO, Case
 
@@ -115,6 +121,7 @@ def test_compiled_zoo_under_auto_plans_through_the_compiler_bitwise(
         session = ts.stash(auto, profile=profile)
         assert_grads_equal(expected, run_case(case, session))
         assert session.plan is not None and session.plan.setting == plan.setting
-        # No eager hook moved a compiled graph's tensors (eager code's stay, counted).
-        assert session.stats.tiers["host"].tensors == session.stats.tiers["disk"].tensors == 0
+        # No eager hook moved a compiled graph's tensors (eager code's stay, counted); a
+        # carry's graphs write to disk themselves (rule 12).
+        assert moved_by_eager_hooks(session, "host") == moved_by_eager_hooks(session, "disk") == 0
     assert _graphs() == graphs, "the settled plan compiled a graph (a recompile loop)"
