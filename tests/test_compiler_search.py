@@ -25,15 +25,16 @@ def _run(
     compiling: dict[float, float] | None = None,
     kept: dict[float, int] = KEPT,
 ) -> list[float | None]:
-    """Step the search to its end. Each setting's first step compiles, and gives the time
-    in ``compiling`` (none: the step was not timed); its later steps take their next
-    (seconds, peak) from ``steps``, the last one again once the others are taken."""
+    """Step the search to its end, or to a step that stows (rule 12). Each setting's
+    first step compiles, and gives the time in ``compiling`` (none: the step was not
+    timed); its later steps take their next (seconds, peak) from ``steps``, the last one
+    again once the others are taken."""
     ran: list[float | None] = []
     compiled: set[float] = set()
     for _ in range(20):
         setting = search.setting_for_step()
         ran.append(setting)
-        if search.settled:
+        if search.settled or search.moving:  # settled, or stepping a carry (rule 12)
             return ran
         assert setting is not None
         search.measured(setting, kept[setting], 0 if kept[setting] == 0 else 5)
@@ -506,32 +507,10 @@ def _searched_to_the_carry() -> CompiledSearch:
     search.device = torch.device("cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the plan is not made yet: no rule 11 warning
-        ran = _run_until_moving(search, _float32_steps(), {0.5: 1.0, 0.25: 1.07, 0.1: 1.1})
+        ran = _run(search, _float32_steps(), {0.5: 1.0, 0.25: 1.07, 0.1: 1.1}, FLOAT32)
+    assert search.moving and not search.settled
     assert ran[-3:] == [0.25, 0.5, 0.5]  # rule 11's steps over the budget, then the carry
     return search
-
-
-def _run_until_moving(
-    search: CompiledSearch, steps: Steps, compiling: dict[float, float]
-) -> list[float | None]:
-    """:func:`_run`, up to the first step that stows."""
-    ran: list[float | None] = []
-    compiled: set[float] = set()
-    for _ in range(20):
-        setting = search.setting_for_step()
-        ran.append(setting)
-        if search.moving:
-            return ran
-        assert not search.settled and setting is not None
-        search.measured(setting, FLOAT32[setting], 5 if FLOAT32[setting] else 0)
-        if setting not in compiled:
-            compiled.add(setting)
-            if setting in compiling:
-                search.timed(setting, compiling[setting], 0, compiled=True)
-        elif setting in steps:
-            seconds, peak = steps[setting][0]
-            search.timed(setting, seconds, peak, compiled=False)
-    raise AssertionError(f"the search never stowed: {ran}")
 
 
 def test_search_carries_the_setting_over_the_budget_that_held_less_with_its_excess_on_disk() -> (

@@ -54,6 +54,12 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
+def _session_stows(policy: Any, ctx: Context) -> None:
+    """What a session that pushes a moving pair hands down to its thread (rule 12): its
+    eager tensors (none here: the whole step is compiled) and where its graphs stow."""
+    compiler.handing(lambda tensor: tensor, lambda packed: packed, (policy, ctx))
+
+
 def _stowing_step(
     model: nn.Module,
     fn: Callable[..., torch.Tensor],
@@ -64,14 +70,14 @@ def _stowing_step(
 ) -> tuple[list, int]:
     pair = compiler.hooks_for(1.0, moving)
     ctx = ctx if ctx is not None else Context(StashStats())
-    _stowing.stowing(DiskSpill(directory, background=False), ctx)
+    _session_stows(DiskSpill(directory, background=False), ctx)
     count = compiler.thread_count()
     count.moved = 0
     try:
         with torch.autograd.graph.saved_tensors_hooks(pair.pack, pair.unpack):
             grads = _grads(model, fn, **kw)
     finally:
-        _stowing.stowed()
+        compiler.handed()
     return grads, count.moved
 
 
@@ -117,12 +123,12 @@ def test_stowed_tensors_of_a_graph_freed_before_backward_leave_no_file(
     fn = torch.compile(lambda x: model(x).square().mean(), backend="aot_eager_decomp_partition")
     pair = compiler.hooks_for(1.0, 1 << 20)
     ctx = Context(StashStats())
-    _stowing.stowing(DiskSpill(tmp_path, background=False), ctx)
+    _session_stows(DiskSpill(tmp_path, background=False), ctx)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pair.pack, pair.unpack):
             loss = fn(torch.randn(16, 32, 64))
     finally:
-        _stowing.stowed()
+        compiler.handed()
     assert ctx.stats.tiers["disk"].tensors > 0 and len(_stowing._HELD) > 0
     del loss
     gc.collect()

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from tensorstash.core.policy import Context
-from tensorstash.planning import _stowing, compiler
+from tensorstash.planning import compiler
 from tensorstash.session.quiet import HOOKED, Opening, State
 from tensorstash.tiers.disk import DiskSpill
 
@@ -54,14 +54,10 @@ class CompiledPair:
         self.plan: compiler.CompilerPlan | None = None
 
     def hand(self, pack: Callable[[Tensor], Any], unpack: Callable[[Any], Tensor]) -> None:
-        compiler.handing(pack, unpack)
-        if self.stow is not None:
-            _stowing.stowing(*self.stow)
+        compiler.handing(pack, unpack, self.stow)
 
     def closed(self) -> None:
         compiler.handed()
-        if self.stow is not None:
-            _stowing.stowed()
         search = self.step.exited()
         known = compiler.known(self.profile)
         if search is None and not self.whole:

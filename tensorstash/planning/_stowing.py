@@ -32,14 +32,16 @@ from tensorstash.core.policy import Context, Packed, bug
 MOVE_FROM = 256 << 10
 """The least tensor a pair that moves stows (smaller ones cost more calls than bytes)."""
 
-_local = threading.local()
 _ids = itertools.count(1)
 _HELD: WeakValueDictionary[int, _Holder] = WeakValueDictionary()
 _HELD_LOCK = threading.Lock()
 
-_OP_TAGS: dict[str, Any] = (
+OP_TAGS: dict[str, Any] = (
     {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") else {}
 )
+"""The tags of the ops inlined into compiled graphs: a CUDA graph's replay runs no Python,
+so inductor leaves them out of the CUDA graphs it records (rule 8 of NOTE [ Compiled
+code ])."""
 
 
 class _Holder(bytearray):
@@ -52,39 +54,12 @@ class _Holder(bytearray):
     packed: Any
 
 
-def stowing(policy: Any, ctx: Context) -> None:
-    """The compiled forwards that run on this thread from now on stow with ``policy``
-    in ``ctx`` (the session's), until :func:`stowed`."""
-    stack: list[tuple[Any, Context]] | None = getattr(_local, "stowing", None)
-    if stack is None:
-        stack = _local.stowing = []
-    stack.append((policy, ctx))
-
-
-def stowed() -> None:
-    """The session that called :func:`stowing` closed."""
-    stack: list[tuple[Any, Context]] = getattr(_local, "stowing", None) or []
-    if stack:
-        stack.pop()
-
-
-def _target() -> tuple[Any, Context] | None:
-    stack: list[tuple[Any, Context]] = getattr(_local, "stowing", None) or []
-    return stack[-1] if stack else None
-
-
-def _count_stowed(nbytes: int) -> None:
+@torch.library.custom_op("tensorstash::stow", mutates_args=(), **OP_TAGS)
+def _stow(tensor: Tensor, scheme: str) -> Tensor:
     from tensorstash.planning import compiler
 
-    count = compiler.thread_count()
-    count.moved += nbytes
-    count.tensors += 1
-
-
-@torch.library.custom_op("tensorstash::stow", mutates_args=(), **_OP_TAGS)
-def _stow(tensor: Tensor, scheme: str) -> Tensor:
     holder = _Holder(8)
-    target = _target()
+    target = compiler.stow_target()
     if target is None:
         holder.policy, holder.ctx, holder.packed = None, None, tensor.detach().clone()
     else:
@@ -94,7 +69,9 @@ def _stow(tensor: Tensor, scheme: str) -> Tensor:
         if isinstance(packed, Packed):  # the session's stats count it while it lives
             ctx.account(packed)
             weakref.finalize(holder, ctx.release, packed)
-    _count_stowed(tensor.nbytes)
+    count = compiler.thread_count()
+    count.moved += tensor.nbytes
+    count.tensors += 1
     with _HELD_LOCK:
         key = next(_ids)
         _HELD[key] = holder
@@ -107,7 +84,7 @@ def _stow_fake(tensor: Tensor, scheme: str) -> Tensor:
     return torch.empty(8, dtype=torch.uint8)
 
 
-@torch.library.custom_op("tensorstash::fetch", mutates_args=(), **_OP_TAGS)
+@torch.library.custom_op("tensorstash::fetch", mutates_args=(), **OP_TAGS)
 def _fetch(token: Tensor, shape: list[int], stride: list[int], dtype: torch.dtype) -> Tensor:
     from tensorstash.planning import compiler
 
@@ -139,7 +116,9 @@ fx.node.has_side_effect(torch.ops.tensorstash.stow.default)
 def movable(tensor: Tensor) -> bool:
     """Whether a tensor a compiled forward keeps can be stowed: a dense CPU tensor of
     at least :data:`MOVE_FROM` bytes, of static shape."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_sparse:
+    if tensor.layout != torch.strided or tensor.device.type != "cpu":
+        return False
+    if not tensor.is_contiguous():
         return False
     if any(not isinstance(size, int) for size in tensor.shape):
         return False  # dynamic shapes: the fetch's shape would be a symbol
@@ -204,9 +183,8 @@ def place(graph: fx.Graph) -> int:
                 continue
             uses = [use for use in source.users if use is not node and use.op != "output"]
             last = max(uses, key=order.__getitem__) if uses else source
-            if order[last] > order[source] or last is source:
-                last.append(node)
-                moved += 1
+            last.append(node)
+            moved += 1
         elif node.target is torch.ops.tensorstash.fetch.default and node.users:
             first = min(node.users, key=order.__getitem__)
             first.prepend(node)

@@ -244,9 +244,7 @@ class _Count:
     device: torch.device | None = None
 
 
-_OP_TAGS: dict[str, Any] = (
-    {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") else {}
-)  # rule 8
+_OP_TAGS = _stowing.OP_TAGS  # rule 8
 
 
 @torch.library.custom_op("tensorstash::saved", mutates_args=(), **_OP_TAGS)
@@ -326,7 +324,7 @@ def prepare() -> CompilerHooks:
     return hooks_for(1.0)
 
 
-def _pack_graph(scheme: str = SCHEME) -> fx.Graph:
+def _pack_graph(scheme: str) -> fx.Graph:
     graph = fx.Graph()
     tensor = graph.placeholder("tensor")
     token = graph.call_function(torch.ops.tensorstash.saved.default, (tensor, scheme))
@@ -393,7 +391,7 @@ class _Pack(fx.GraphModule):
         hooks = getattr(_local, "handing", None)
         if not hooks:
             return tensor
-        pack, unpack = hooks[-1]
+        pack, unpack, _ = hooks[-1]
         return _Handed(unpack, pack(tensor))
 
     def _stows(self, tensor: Tensor, graph: Any, node: Any) -> bool:
@@ -934,8 +932,7 @@ class CompiledSearch:
             return carry.setting
         if fits and lower and not slower:
             self._settle(carry.setting)
-            self.carried = True
-            self.moving = self.carry_moving
+            self.carried = True  # setting_for_step gives its steps what it stows
             return carry.setting
         return None
 
@@ -1253,16 +1250,28 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def handing(pack: Callable[[Tensor], Any], unpack: Callable[[Any], Tensor]) -> None:
-    """Eager tensors saved under a pair on this thread go to this session's pair (rule 2)."""
-    stack: list[tuple[Any, Any]] | None = getattr(_local, "handing", None)
+def handing(
+    pack: Callable[[Tensor], Any],
+    unpack: Callable[[Any], Tensor],
+    stow: tuple[Any, Any] | None = None,
+) -> None:
+    """Eager tensors saved under a pair on this thread go to this session's pair (rule 2),
+    and what its compiled forwards stow goes to ``stow``, a tier and the session's
+    context (rule 12; None: kept in memory)."""
+    stack: list[tuple[Any, Any, Any]] | None = getattr(_local, "handing", None)
     if stack is None:
         stack = _local.handing = []
-    stack.append((pack, unpack))
+    stack.append((pack, unpack, stow))
 
 
 def handed() -> None:
     """The session that called :func:`handing` closed."""
-    stack: list[tuple[Any, Any]] = getattr(_local, "handing", None) or []
+    stack: list[tuple[Any, Any, Any]] = getattr(_local, "handing", None) or []
     if stack:
         stack.pop()
+
+
+def stow_target() -> tuple[Any, Any] | None:
+    """Rule 12: the tier and context the innermost session on this thread stows with."""
+    stack: list[tuple[Any, Any, Any]] = getattr(_local, "handing", None) or []
+    return stack[-1][2] if stack else None
