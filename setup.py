@@ -86,6 +86,19 @@ def _session_pool() -> list[Extension]:
     ]
 
 
+def _sampler() -> list[Extension]:
+    if not sys.platform.startswith("linux"):
+        return []  # /proc/self/statm: Linux only (NOTE [ Real memory ] in _memory.py)
+    return [
+        Extension(
+            "tensorstash.memory._sampler",
+            sources=["tensorstash/memory/_sampler.c"],
+            optional=True,
+            extra_compile_args=["-O2", "-std=c11"],
+        )
+    ]
+
+
 setup(
     ext_modules=[
         Extension(
@@ -95,5 +108,6 @@ setup(
             extra_compile_args=["-O2"],
         ),
         *_session_pool(),
+        *_sampler(),
     ]
 )

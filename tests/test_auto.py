@@ -190,8 +190,8 @@ def test_decision_log_names_module_shape_tier_and_reason() -> None:
     ("kwargs", "match"),
     [
         ({"device_budget": "lots"}, "device_budget must be bytes"),
-        ({"device_budget": 1.5}, "fraction of memory"),
-        ({"host_reserve": -1}, "host_reserve must be >= 0"),
+        ({"device_budget": 1.5}, "as a share must be in"),
+        ({"host_reserve": -1}, "host_reserve must be at least 0"),
     ],
 )
 def test_auto_rejects_bad_sizes(kwargs: dict[str, object], match: str) -> None:

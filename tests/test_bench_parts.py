@@ -7,6 +7,7 @@ import math
 import mmap
 import statistics
 import sys
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -206,15 +207,66 @@ def test_skip_reason_names_cuda_then_the_install() -> None:
 # -- the real memory meters ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("resettable", [True, False], ids=["high-water mark", "sampled"])
-def test_peak_rss_sees_memory_touched_and_freed_inside(resettable: bool) -> None:
+@pytest.mark.parametrize(
+    "reset, native",
+    [(True, True), (False, True), (False, False)],
+    ids=["high-water mark", "native sampler", "python sampler"],
+)
+def test_peak_rss_sees_memory_touched_and_freed_inside(
+    reset: bool, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tensorstash.memory import _memory
+
+    if not native:
+        monkeypatch.setattr(_memory, "_sampler", None)
+    elif not reset and _memory._sampler is None:
+        pytest.skip("the native sampler is not built here")
     bench.return_free_memory()
-    with PeakRss(resettable=resettable) as meter:
+    with PeakRss(reset=reset) as meter:
         block = torch.ones(64 * MIB // 4)  # 64 MiB, every page written
-        time.sleep(0.05)  # long enough for the sampler, which wakes every millisecond
+        time.sleep(0.05)  # long enough for the sampler, which wakes every half millisecond
         del block
-    assert meter.sampled is not resettable
+    assert meter.sampled is not reset
     assert meter.delta_bytes >= 48 * MIB
+    assert meter.peak_bytes >= meter.start_bytes + meter.delta_bytes
+
+
+def _high_water() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux's VmHWM")
+def test_peak_rss_leaves_the_processes_peak_counters_as_they_were() -> None:
+    # Rule 1 of NOTE [ Real memory ]: a profile's meter never resets VmHWM or ru_maxrss.
+    import resource
+
+    block = torch.ones(96 * MIB // 4)  # a high-water mark well above the region's peak
+    del block
+    bench.return_free_memory()
+    high, maxrss = _high_water(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with PeakRss() as meter:
+        small = torch.ones(16 * MIB // 4)
+        time.sleep(0.02)
+        del small
+    assert meter.delta_bytes >= 12 * MIB
+    assert _high_water() >= high
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >= maxrss
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux's VmHWM")
+def test_peak_rss_takes_a_new_high_water_mark_as_the_exact_peak(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A peak too short for any sampler, but a new high for the process: VmHWM has it.
+    from tensorstash.memory import _memory
+
+    monkeypatch.setattr(_memory, "_sampler", None)
+    bench.return_free_memory()
+    with PeakRss(interval_s=0.5) as meter:  # the thread never wakes inside the region
+        block = torch.ones((_high_water() * 1024 + 64 * MIB) // 4)
+        del block
+    assert meter.peak_bytes >= _high_water() * 1024 - MIB
 
 
 def test_a_step_on_cuda_begins_from_collected_garbage_and_a_kept_heap(

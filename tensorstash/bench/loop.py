@@ -79,7 +79,7 @@ def train_alone(
     for _ in range(steps):
         begun = current_rss()
         # Sampled: an Auto profile resets the high-water mark for its own steps.
-        with PeakRss(0.0005, resettable=False) as meter:
+        with PeakRss(0.0005) as meter:
             start = time.perf_counter()
             net.zero_grad(set_to_none=True)
             with variant(name, runner):

@@ -173,7 +173,7 @@ class StepRunner:
         trace = Timeline(workload.model, self.device) if timeline else None
         forward = forwards(name.removesuffix(NO_PLAN))
         graphs = graphs_compiled()
-        with meter(self.device) as measured, trace or contextlib.nullcontext():
+        with meter(self.device, reset=True) as measured, trace or contextlib.nullcontext():
             start = time.perf_counter()
             with self.variant(name) as session:
                 if trace is not None:

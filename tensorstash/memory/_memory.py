@@ -4,13 +4,19 @@ The measurements behind these rules are in docs/figures/tiers-and-memory.md.
 
 # NOTE [ Real memory ]
 1. On the CPU the real peak of a step is the most the process's resident set
-   grew over it: Linux's high-water mark (``VmHWM`` in /proc/self/status)
-   after resetting it to the current resident set (writing "5" to
-   /proc/self/clear_refs), less the resident set at the step's start. Exact
-   (the kernel keeps the maximum), and two small file operations per step.
-2. Where clear_refs cannot be written (not Linux, or not allowed), a thread
-   samples the resident set every millisecond instead; it may miss a peak
-   shorter than that, and its wake-ups cost the step a little time.
+   grew over it. A profile takes it without touching the counters a user
+   reads (``VmHWM`` in /proc/self/status, and ``getrusage``'s ``ru_maxrss``,
+   which the HF Trainer, Lightning's device monitor and users' own scripts
+   read): a native thread (``_sampler.c``, no interpreter lock) reads
+   /proc/self/statm every half millisecond, and where the step set a new
+   high-water mark for the process, ``VmHWM`` read at its end is the exact
+   peak, without resetting it. A peak shorter than the period, under the
+   process's old high-water mark, can be missed.
+2. The bench alone, a program of tensorstash's own, may reset the high-water
+   mark (writing "5" to /proc/self/clear_refs) for an exact peak per region:
+   ``PeakRss(reset=True)``. Where the native sampler is not built, a Python
+   thread samples instead, at the same period, and takes the interpreter
+   between the step's calls.
 3. Before a step, garbage is collected and the allocator's free memory is
    handed back to the operating system (glibc's ``malloc_trim(0)``, or another
    allocator's own call: rule 12 of NOTE [ Returning memory ] in _trim.py):
@@ -24,15 +30,19 @@ The measurements behind these rules are in docs/figures/tiers-and-memory.md.
    in full.
 4. Everything the process holds counts: bytes a stash counts as "disk" that
    still wait for the writer, compressed buffers, allocator slack, the
-   recomputation of a checkpointed block.
+   recomputation of a checkpointed block, tensorstash's own pools and threads.
 5. On CUDA the real peak is ``torch.cuda.max_memory_allocated`` over the step,
    after ``reset_peak_memory_stats``, less ``memory_allocated`` at its start:
-   what the step added to the tensors already there (weights, gradients). The
-   caching allocator counts on the host as kernels are queued, so a profile
-   measuring a training step does not wait for the device (``sync=False``);
-   the bench does, to close each region where the device finished it.
-6. Both peaks are process- or device-wide: a meter resets the high-water mark
-   other tools read too.
+   what the step added to the tensors already there (weights, gradients).
+   The device keeps no other record of a peak, so this reset is the one
+   tensorstash makes on a user's counters: only in the steps a profile
+   measures (a few at the start, then two every ``remeasure_every``), and
+   the plan table says so. The caching allocator counts on the host as
+   kernels are queued, so a profile measuring a training step does not wait
+   for the device (``sync=False``); the bench does, to close each region
+   where the device finished it.
+6. On the CPU nothing is reset but by the bench's own meters
+   (``PeakRss(reset=True)``, rule 2).
 7. On the CPU a meter also counts the bytes the region faulted in (minor page
    faults, ``getrusage``, process-wide, times the page size): memory handed
    back to the OS costs its first touch again when the heap reuses it, so this
@@ -44,8 +54,11 @@ The measurements behind these rules are in docs/figures/tiers-and-memory.md.
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import threading
+from types import ModuleType
+from typing import Any
 
 try:
     import resource
@@ -56,6 +69,18 @@ import psutil
 import torch
 
 from tensorstash.memory._trim import PAGE_SIZE, release_free_heap, resident_bytes
+
+
+def _load_sampler() -> ModuleType | None:
+    """The native peak sampler, or None where it is not built (no compiler, or not
+    Linux): a Python thread samples then (rule 2)."""
+    try:
+        return importlib.import_module("tensorstash.memory._sampler")
+    except ImportError:
+        return None
+
+
+_sampler = _load_sampler()
 
 
 def current_rss() -> int:
@@ -149,15 +174,17 @@ class PeakRss:
     """How far the resident set grows over a region (rules 1 and 2 of NOTE [ Real memory ]).
 
     Args:
-        interval_s: the sampling thread's period, where the high-water mark
-            cannot be reset.
-        resettable: whether to use the high-water mark; injected for tests.
+        interval_s: the sampling period.
+        reset: reset the process's high-water mark for an exact peak (the bench's
+            own regions only: rule 2); by default the user's counters stay as they were.
 
     Attributes:
         delta_bytes: the growth, set on exit.
+        peak_bytes: the most the process held over the region, set on exit.
+        start_bytes: the resident set when the region began.
         faulted_bytes: the bytes the process faulted in over the region (rule 7),
             set on exit; None where the platform does not count them.
-        sampled: whether a sampling thread measured it (rule 2).
+        sampled: whether a sampling thread measured it (rules 1 and 2).
 
     Example:
         >>> with PeakRss() as meter:
@@ -165,15 +192,18 @@ class PeakRss:
         >>> meter.delta_bytes
     """
 
-    def __init__(self, interval_s: float = 0.001, *, resettable: bool = True) -> None:
+    def __init__(self, interval_s: float = 0.0005, *, reset: bool = False) -> None:
         self.delta_bytes = 0
+        self.peak_bytes = 0
+        self.start_bytes = 0
         self.faulted_bytes: int | None = None
         self.sampled = False
         self._faults: int | None = None
         self._interval_s = interval_s
-        self._resettable = resettable
-        self._start = 0
+        self._reset = reset
+        self._high: int | None = None
         self._most = 0
+        self._native: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -186,25 +216,50 @@ class PeakRss:
         self.__exit__(None, None, None)
         return self.delta_bytes
 
+    def now(self) -> int:
+        """The most the process held since the region began, this moment included."""
+        if self._native is not None:
+            return int(self._native.peak())
+        self._most = max(self._most, current_rss())
+        return self._most
+
     def __enter__(self) -> PeakRss:
-        reset = self._resettable and _reset_high_water_rss()
-        self._start = current_rss()
+        reset = self._reset and _reset_high_water_rss()
+        self._high = None if reset else _high_water_rss()
+        self.start_bytes = current_rss()
         self._faults = minor_faults()
-        if not reset:
-            self.sampled = True
-            self._most = self._start
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
+        if reset:
+            return self
+        self.sampled = True
+        self._most = self.start_bytes
+        if _sampler is not None:
+            try:
+                self._native = _sampler.Sampler(self._interval_s)
+                self._native.start()
+                return self
+            except (OSError, ValueError):
+                self._native = None
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        if self._thread is None:
-            peak = max(_high_water_rss() or 0, current_rss())
-        else:
+        if self._native is not None:
+            peak = int(self._native.stop())
+            self._native = None
+        elif self._thread is not None:
             self._stop.set()
             self._thread.join()
+            self._thread = None
             peak = max(self._most, current_rss())
-        self.delta_bytes = max(0, peak - self._start)
+        else:
+            peak = max(_high_water_rss() or 0, current_rss())
+        high = _high_water_rss() if self._high is not None else None
+        if high is not None and self._high is not None and high > self._high:
+            peak = max(peak, high)  # a new high for the process: the kernel's exact figure
+        self.peak_bytes = peak
+        self.delta_bytes = max(0, peak - self.start_bytes)
         self.faulted_bytes = faulted_since(self._faults)
 
     def _sample(self) -> None:
@@ -249,9 +304,10 @@ class CudaPeak:
         self.delta_bytes = max(0, torch.cuda.max_memory_allocated(self._device) - self._start)
 
 
-def meter(device: torch.device, *, sync: bool = True) -> PeakRss | CudaPeak:
-    """The real-memory meter of ``device``: :class:`CudaPeak` on CUDA, else :class:`PeakRss`."""
-    return CudaPeak(device, sync=sync) if device.type == "cuda" else PeakRss()
+def meter(device: torch.device, *, sync: bool = True, reset: bool = False) -> PeakRss | CudaPeak:
+    """The real-memory meter of ``device``: :class:`CudaPeak` on CUDA, else :class:`PeakRss`
+    (``reset``: the bench's own exact regions, rule 2)."""
+    return CudaPeak(device, sync=sync) if device.type == "cuda" else PeakRss(reset=reset)
 
 
 def real_memory_now(device: torch.device) -> int:
@@ -259,3 +315,53 @@ def real_memory_now(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device))
     return current_rss()
+
+
+def host_capacity() -> int:
+    """The most RAM this process may hold: its cgroup's memory limit where one is set
+    (cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``), else physical RAM."""
+    total = host_ram()[1]
+    for limit in _cgroup_limits():
+        if 0 < limit < total:
+            total = limit
+    return total
+
+
+def _cgroup_limits() -> list[int]:
+    """The memory limits of this process's cgroup, as the files read (none where unset)."""
+    try:
+        with open("/proc/self/cgroup") as lines:
+            groups = [line.rstrip("\n").split(":", 2) for line in lines]
+    except OSError:
+        return []
+    candidates = []
+    for fields in groups:
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        path = path.lstrip("/")
+        if controllers == "":  # v2
+            base, name = "/sys/fs/cgroup", "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = "/sys/fs/cgroup/memory", "memory.limit_in_bytes"
+        else:
+            continue
+        candidates += [os.path.join(base, path, name), os.path.join(base, name)]
+    limits = []
+    for candidate in candidates:
+        try:
+            with open(candidate) as file:
+                text = file.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    return limits
+
+
+def device_capacity(device: torch.device) -> int:
+    """What a memory limit's share is of: a CUDA device's total memory, or for the CPU
+    the most RAM the process may hold (:func:`host_capacity`)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[1])
+    return host_capacity()

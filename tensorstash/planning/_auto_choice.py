@@ -15,6 +15,7 @@ from torch import Tensor
 from tensorstash.core import _reasons
 from tensorstash.core._reasons import Reason, Why, reason
 from tensorstash.core.policy import Chain, Context, Defer, Keep, Policy
+from tensorstash.planning import _limit
 from tensorstash.planning._select import HOST, Select, resolve_budget
 from tensorstash.planning.plan import Plan
 from tensorstash.tiers.compress import Lz4
@@ -53,11 +54,14 @@ class Chooser:
         self.keep_below = -1  # the budget less the recent window (rule 4)
         self.keep_under_budget: Choice = (self.keep, _reasons.UNDER_BUDGET)
         profile = ctx.profile
-        self.learning_now = profile is not None and profile.learning  # fixed for a step
+        # Fixed for a step; never under a memory limit (NOTE [ Memory limit ] rule 4).
+        self.learning_now = profile is not None and profile.learning and auto._parsed[2] is None
         self.headroom = 0
         self.headroom_until = float("-inf")
         self.plan: Plan | None = None
         self.device_type = "cpu"
+        self.limit: int | None = None  # in bytes, once resolved (NOTE [ Memory limit ])
+        self.user_budget: int | None = None  # device_budget in bytes, once resolved
 
     def new_step(self, learning: bool) -> None:
         """A step begins: whether it is a profile's first, and nothing posted carries over."""
@@ -75,15 +79,33 @@ class Chooser:
             self.resolve_limits(device)
         return self.budget
 
-    def resolve_limits(self, device: torch.device) -> None:
+    def resolve_limits(self, device: torch.device, room: int | None = None) -> None:
+        """The session's limits on ``device``: its budget of saved bytes (under a memory
+        limit, what the limit leaves the step, ``room`` where the step read it), and the
+        host reserve."""
         self.device_type = device.type
-        free, total = self.select._read("device", device, self.auto.device_probe)
-        parsed, reserve = self.auto._parsed
-        self.budget = free // 2 if parsed is None else resolve_budget(parsed, total)
-        self.window = self.budget // RECENT_SHARE
-        self.keep_below = self.budget - self.window
+        parsed, reserve, limit = self.auto._parsed
+        budget = None
+        if parsed is not None:
+            total = self.select._read("device", device, self.auto.device_probe)[1]
+            budget = self.user_budget = resolve_budget(parsed, total)
+        if limit is not None:
+            self.limit = _limit.limit_bytes(limit, device)
+            if room is None:  # no profile: NOTE [ Memory limit ] rule 4, every step
+                room = self.limit - _limit.base_now(device)
+            first = _limit.first_budget(room, None)
+            budget = first if budget is None else min(budget, first)
+        elif budget is None:
+            budget = self.select._read("device", device, self.auto.device_probe)[0] // 2
+        self.set_budget(budget)
         host_total = self.select._read("host", HOST, self.auto.host_probe)[1]
         self.reserve = resolve_budget(reserve, host_total)
+
+    def set_budget(self, budget: int) -> None:
+        """The saved bytes this session may hold on the device from now (rules 4 and 5)."""
+        self.budget = max(0, budget)
+        self.window = self.budget // RECENT_SHARE
+        self.keep_below = self.budget - self.window
 
     # The tiers, made when first chosen: a step that keeps everything makes none
     # (a DiskSpill checks its directory when made).
@@ -197,8 +219,7 @@ class Chooser:
 
     def learning(self, tensor: Tensor) -> Choice | None:
         """Rule 3: a CPU tensor in a profile's first step stays (see Auto's docstring)."""
-        profile = self.profile
-        if profile is not None and tensor.is_cpu and profile.learning:
+        if self.learning_now and tensor.is_cpu:
             return self.keep, _LEARNING
         return None
 

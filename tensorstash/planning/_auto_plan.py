@@ -5,8 +5,10 @@ and setting (``Profile.plan_for``).
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -14,7 +16,7 @@ from torch import nn
 
 from tensorstash.core.stats import human_bytes
 from tensorstash.memory import _pool
-from tensorstash.planning import _rates
+from tensorstash.planning import _limit, _rates
 from tensorstash.planning.plan import Plan, Rates, make_plan
 from tensorstash.tiers._spillwork import usable_cores
 
@@ -29,19 +31,8 @@ def plan_step(
 ) -> Plan | None:
     """The plan for a step of ``root`` within ``budget``; warns once per budget that
     cannot be held."""
-    device = "cuda" if device_type == "cuda" else "cpu"
-    trims = trims_memory(device, auto.trim_every)
-    key = (device, auto.recompute, auto.never_recompute, auto.always_recompute, trims)
-    plan = profile.plan_for(key, budget, lambda: make_plan(
-        profile,
-        budget,
-        device=device,
-        recompute=auto.recompute,
-        never=lambda path: named(profile.module(path), path, auto.never_recompute),
-        always=paths(profile, auto.always_recompute),
-        rates=rates(auto, profile, budget, device_type, root),
-        trims=trims,  # as the step's watch does
-    ))  # fmt: skip
+    key, make = planner(auto, profile, device_type, root)
+    plan = profile.plan_for(key, budget, lambda: make(budget))
     if plan is not None and not plan.fits and profile.warn_unreachable(budget):
         warnings.warn(
             f"tensorstash.Auto: device_budget {human_bytes(budget)} cannot be held: "
@@ -53,6 +44,56 @@ def plan_step(
             stacklevel=2,
         )
     return plan
+
+
+def plan_within(
+    auto: Any,
+    profile: Any,
+    room: int,
+    device_type: str,
+    root: nn.Module,
+    *,
+    cap: int | None = None,
+) -> Plan | None:
+    """The plan for a step of ``root`` whose predicted real peak fits ``room`` (NOTE
+    [ Memory limit ] rule 3), its budget at most ``cap`` where given; made again only once
+    the measurements or the room moved."""
+    key, make = planner(auto, profile, device_type, root)
+    if cap is not None:
+        make = functools.partial(_capped, make, cap)
+    steps = room // _limit.ROOM_STEP
+    room = steps * _limit.ROOM_STEP  # rounded down: the plan serves the rooms it rounds from
+    other = _limit.held_besides(profile)
+    return profile.plan_for(
+        ("limit", cap, *key), steps, lambda: _limit.within(room, make, other)[1]
+    )
+
+
+def _capped(make: Callable[[int], Plan | None], cap: int, budget: int) -> Plan | None:
+    return make(min(cap, budget))
+
+
+def planner(
+    auto: Any, profile: Any, device_type: str, root: nn.Module
+) -> tuple[tuple[Any, ...], Callable[[int], Plan | None]]:
+    """The key of ``auto``'s options for plans of ``root``, and what makes one for a budget."""
+    device = "cuda" if device_type == "cuda" else "cpu"
+    trims = trims_memory(device, auto.trim_every)
+    key = (device, auto.recompute, auto.never_recompute, auto.always_recompute, trims)
+
+    def make(budget: int) -> Plan | None:
+        return make_plan(
+            profile,
+            budget,
+            device=device,
+            recompute=auto.recompute,
+            never=lambda path: named(profile.module(path), path, auto.never_recompute),
+            always=paths(profile, auto.always_recompute),
+            rates=rates(auto, profile, budget, device_type, root),
+            trims=trims,  # as the step's watch does
+        )
+
+    return key, make
 
 
 def rates(auto: Any, profile: Any, budget: int, device_type: str, root: nn.Module) -> Rates:

@@ -7,6 +7,7 @@ a planned CPU step frees; at the session's exit it puts everything back.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -18,8 +19,9 @@ from tensorstash.core.policy import Context
 from tensorstash.core.stats import StashStats
 from tensorstash.memory import _pool
 from tensorstash.memory._trim import Watch
+from tensorstash.planning import _limit
 from tensorstash.planning._auto_choice import Chooser
-from tensorstash.planning._auto_plan import plan_step
+from tensorstash.planning._auto_plan import plan_step, plan_within
 from tensorstash.planning._select import HOST, parse_bytes
 from tensorstash.planning.plan import RETURNS_BELOW, Plan
 from tensorstash.planning.profile import signature
@@ -72,7 +74,10 @@ class _AutoState:
         profile = self.profile
         if quiet:
             profile.began_quiet()
-        self.choice.new_step(profile is not None and profile.learning)
+        # Under a memory limit, a profile's first step holds the limit too (NOTE [ Memory
+        # limit ] rule 4): Auto's rule 3 does not keep its tensors whole.
+        limited = self.auto._parsed[2] is not None
+        self.choice.new_step(profile is not None and profile.learning and not limited)
         if profile is not None and torch.is_grad_enabled():
             if not quiet:
                 self.unobserve = _modules.observe(self)
@@ -98,15 +103,17 @@ class _AutoState:
         profile.saw_root(module)
         if self.auto.recompute:
             self._without_cache(module)
-        if not profile.steps:
-            return  # the first step measures
-        if choice.budget < 0:
-            device = next((a.device for a in args if isinstance(a, Tensor)), None)
-            if device is None:
-                device = next((p.device for p in module.parameters()), HOST)
-            self.device = device
-            choice.resolve_limits(device)
-        plan = plan_step(self.auto, profile, choice.budget, choice.device_type, module)
+        if self.auto._parsed[2] is not None:
+            plan = self._within_limit(module, args)
+            if plan is None:
+                return  # nothing measured yet: this step measures (NOTE [ Memory limit ] 4)
+        else:
+            if not profile.steps:
+                return  # the first step measures
+            if choice.budget < 0:
+                self.device = _device(module, args)
+                choice.resolve_limits(self.device)
+            plan = plan_step(self.auto, profile, choice.budget, choice.device_type, module)
         choice.follow(plan)
         if plan is not None:
             if plan.recompute and warm_up():
@@ -118,6 +125,38 @@ class _AutoState:
 
     def left(self, module: nn.Module) -> None:
         return None
+
+    def _within_limit(self, root: nn.Module, args: tuple[Any, ...]) -> Plan | None:
+        """NOTE [ Memory limit ]: the step's room under the limit (rule 2), refused where
+        there is none (rule 5); the plan that fits it (rule 3), or None where no real peak
+        was measured yet, the budget then one that surely fits (rule 4)."""
+        profile, choice = self.profile, self.choice
+        self.device = device = _device(root, args)
+        choice.resolve_limits(device, room=0)
+        limit = choice.limit
+        assert limit is not None
+        base = _limit.base_now(device)
+        room = limit - base
+        if room <= 0:
+            _limit.refuse(limit, base, device)
+        profile.planned_room(room)
+        user = choice.user_budget
+        if not any(s.peak_bytes is not None for s in profile.peak_steps()):
+            first = _limit.first_budget(room, root)
+            choice.set_budget(first if user is None else min(user, first))
+            self.watch = watch_first(self.auto, self.stats, device.type)
+            return None
+        target = room - _limit.margin(room, profile.overrun())
+        plan = plan_within(self.auto, profile, max(0, target), choice.device_type, root, cap=user)
+        if plan is None:
+            choice.set_budget(_limit.first_budget(room, root))
+            return None
+        peak = plan.predicted_peak_bytes
+        if peak is not None and peak > target and profile.warn_unreachable(-limit):
+            _limit.warn_unreachable(limit, base, plan)
+        plan = dataclasses.replace(plan, limit_bytes=limit, base_bytes=base)
+        choice.set_budget(plan.budget)
+        return plan
 
     def _model_called(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -247,6 +286,22 @@ def watch_memory(auto: Any, plan: Plan, stats: StashStats, device_type: str) -> 
     return watch
 
 
+def watch_first(auto: Any, stats: StashStats, device_type: str) -> Watch | None:
+    """Return the memory a CPU step with nothing measured moves out, from its first tensor
+    (NOTE [ Memory limit ] rule 4): what its tensors held would else stay in the heap, and
+    a step that moves them would hold as much as one that keeps them."""
+    if auto.trim_every is None or device_type != "cpu":
+        return None
+    every = POOL_LEAST if auto.trim_every == "auto" else auto.trim_every
+    every = int(parse_bytes(every, "tensorstash.Auto", "trim_every"))
+    lease = _pool.lease(every) if _pool.compiled is not None else None
+    if lease is None and auto.trim_every == "auto":
+        every = TRIM_LEAST
+    watch = Watch(every, lambda: _holding(stats), counted=stats.returned, lease=lease)
+    watch.start()
+    return watch
+
+
 def _holding(stats: StashStats) -> bool:
     """Whether a session still holds saved tensors; read from another thread.
 
@@ -285,3 +340,11 @@ def _cache_configs(root: nn.Module) -> tuple[Any, ...]:
 
 def _nothing() -> None:
     return None
+
+
+def _device(root: nn.Module, args: tuple[Any, ...]) -> torch.device:
+    """The device a step of ``root`` called with ``args`` runs on."""
+    device = next((a.device for a in args if isinstance(a, Tensor)), None)
+    if device is None:
+        device = next((p.device for p in root.parameters()), HOST)
+    return device

@@ -78,6 +78,7 @@ class Step:
         self.policy_s = 0.0
         self.inputs: tuple[Any, ...] | None = None  # the model's inputs (rule 8)
         self.device = torch.device("cpu")
+        self.room: int | None = None  # under a memory limit (NOTE [ Memory limit ] rule 2)
         if self.cold:
             self._start_meter()
         self._imported = len(sys.modules)  # a step that imports takes no peak (rule 6)
@@ -256,6 +257,7 @@ class Step:
             trim_s=stats.returned_seconds + mapping_s() - self._mapped,
             checkpointed_s=checkpointed_s,
             first_move=first_move,
+            room_bytes=self.room,
         )
         self.profile._finished(self, record)
 

@@ -146,6 +146,7 @@ def _step_row(record: StepRecord) -> dict[str, Any]:
         "trim_s": record.trim_s,
         "checkpointed_s": record.checkpointed_s,
         "first_move": record.first_move,
+        "room_bytes": record.room_bytes,
     }
 
 
@@ -164,6 +165,7 @@ def _step_record(row: dict[str, Any]) -> StepRecord:
         trim_s=float(row.get("trim_s", 0.0)),
         checkpointed_s=None if row.get("checkpointed_s") is None else float(row["checkpointed_s"]),
         first_move=bool(row.get("first_move", row.get("first_copy", False))),
+        room_bytes=None if row.get("room_bytes") is None else int(row["room_bytes"]),
     )
 
 

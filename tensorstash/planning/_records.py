@@ -98,6 +98,8 @@ class StepRecord:
             pinned buffers its copies use, on the CPU the spill directory,
             its file and the pages they take), and its time does not say
             what a moved byte costs (NOTE [ Plan ] rule 9).
+        room_bytes: under a memory limit, what the limit left the step over its base
+            (NOTE [ Memory limit ] rule 2), or None.
     """
 
     forward_s: float
@@ -113,6 +115,7 @@ class StepRecord:
     trim_s: float = 0.0
     checkpointed_s: float | None = None
     first_move: bool = False
+    room_bytes: int | None = None
 
     @property
     def seconds(self) -> float:

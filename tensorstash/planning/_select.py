@@ -4,7 +4,6 @@ sizes given as bytes, strings or fractions (NOTE [ Selection ] in auto.py).
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ import torch
 from torch import Tensor
 
 from tensorstash.core._reasons import Reason, Why, reason
+from tensorstash.core._sizes import parse_size, resolve_size
 from tensorstash.core.policy import Context, Defer, Policy
 from tensorstash.core.stats import Tier
 from tensorstash.memory._memory import host_ram
@@ -189,37 +189,13 @@ def _unused_rule(tensor: Tensor, memory: Memory) -> Policy:
 
 # -- sizes ---------------------------------------------------------------------------------
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-
 
 def parse_bytes(value: int | float | str, api: str, name: str) -> int | float:
-    """``"2GiB"`` -> 2147483648; ints pass through; floats in (0, 1] stay fractions."""
-    if isinstance(value, bool):
-        raise TypeError(
-            f"{api}: {name} must be bytes, a size like '2GiB', or a fraction; got {value!r}"
-        )
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{api}: {name} must be >= 0; got {value}")
-        return value
-    if isinstance(value, float):
-        if not 0 < value <= 1:
-            raise ValueError(
-                f"{api}: {name} as a float is a fraction of memory in (0, 1]; got {value}"
-            )
-        return value
-    match = _SIZE.match(value) if isinstance(value, str) else None
-    if match is None:
-        raise ValueError(
-            f"{api}: {name} must be bytes (int), a size such as '512MiB' or '2GB', or a "
-            f"fraction such as 0.5; got {value!r}"
-        )
-    number, unit = float(match.group(1)), match.group(2).lower()
-    scale = 1024 ** "bkmgt".index(unit[0]) if "i" in unit else _UNITS[unit[:1]]
-    return int(number * scale)
+    """A size or a share, in the one grammar of NOTE [ Sizes ] (core/_sizes.py):
+    ``"2GiB"`` -> 2147483648, ints pass through, ``0.5`` and ``"50%"`` are shares."""
+    return parse_size(value, api, name)
 
 
 def resolve_budget(budget: int | float, total: int) -> int:
-    """Bytes of a size that ``parse_bytes`` gave: a fraction is of ``total``."""
-    return int(budget * total) if isinstance(budget, float) else budget
+    """Bytes of a size that ``parse_bytes`` gave: a share is of ``total``."""
+    return resolve_size(budget, total)

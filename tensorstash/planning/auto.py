@@ -64,11 +64,13 @@ from torch import Tensor
 
 from tensorstash.core import _names
 from tensorstash.core._reasons import Reason
+from tensorstash.core._sizes import Share, parse_size
 from tensorstash.core.policy import Context, Defer, Policy
 from tensorstash.planning import _opening
 from tensorstash.planning._auto_choice import POSTED_KEEPS, RECENT_SHARE, Choice
 from tensorstash.planning._auto_plan import CPU_CONTENTION
 from tensorstash.planning._auto_step import POOL_LEAST, TRIM_LEAST, _AutoState
+from tensorstash.planning._limit import MemoryLimitError
 from tensorstash.planning._select import (
     Memory,
     Probe,
@@ -85,6 +87,8 @@ from tensorstash.tiers.disk import check_directory
 
 __all__ = [
     "CPU_CONTENTION",
+    "DEFAULT_LIMIT",
+    "LIMIT_LEAST",
     "POOL_LEAST",
     "POSTED_KEEPS",
     "RECENT_SHARE",
@@ -92,6 +96,7 @@ __all__ = [
     "Auto",
     "Choice",
     "Memory",
+    "MemoryLimitError",
     "Probe",
     "Rule",
     "Select",
@@ -100,6 +105,13 @@ __all__ = [
     "host_memory",
     "parse_bytes",
 ]
+
+
+DEFAULT_LIMIT = Share(0.9)
+"""The limit ``Auto`` holds where given neither ``limit`` nor ``device_budget``: a share of
+the device's capacity that leaves its allocator room (NOTE [ Memory limit ] in _limit.py)."""
+LIMIT_LEAST = 1 << 20
+"""A limit under this many bytes cannot be meant (NOTE [ Sizes ] rule 4)."""
 
 
 @dataclass(frozen=True)
@@ -194,6 +206,7 @@ class Auto:
         >>> print(session.plan.table())
     """
 
+    limit: int | float | str | None = None
     device_budget: int | float | str | None = None
     host_reserve: int | float | str = "2GiB"
     directory: str | None = None
@@ -207,24 +220,35 @@ class Auto:
 
     # Parsed once, and the probes' readings shared by this Auto's sessions (each
     # reading kept refresh_s): a session opens at every step.
-    _parsed: tuple[Any, Any] = field(init=False, repr=False, compare=False, default=(None, 0))
+    _parsed: tuple[Any, Any, Any] = field(
+        init=False, repr=False, compare=False, default=(None, 0, None)
+    )
     _probes: Any = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         api = "tensorstash.Auto"
-        budget = None
+        budget = limit = None
         if self.device_budget is not None:
-            budget = parse_bytes(self.device_budget, api, "device_budget")
-        reserve = parse_bytes(self.host_reserve, api, "host_reserve")
-        object.__setattr__(self, "_parsed", (budget, reserve))
+            budget = parse_size(self.device_budget, api, "device_budget")
+        if self.limit is not None:
+            limit = parse_size(self.limit, api, "limit", least=LIMIT_LEAST)
+            if limit == 0:
+                raise ValueError(
+                    f"{api}: limit must be more than 0 bytes: it is the most real memory a "
+                    "step may hold; pass a size such as '12GiB' or a share such as '90%'"
+                )
+        elif budget is None:
+            limit = DEFAULT_LIMIT  # NOTE [ Memory limit ] rule 1: the machine's, by default
+        reserve = parse_size(self.host_reserve, api, "host_reserve")
+        object.__setattr__(self, "_parsed", (budget, reserve, limit))
         object.__setattr__(
             self, "_probes", shared_probes(self.device_probe, self.host_probe, self.clock)
         )
         check_directory(self.directory, api)
         check_probes(self, api)
         if self.trim_every not in (None, "auto"):
-            every = parse_bytes(self.trim_every, api, "trim_every")
-            if isinstance(every, float) or every <= 0:
+            every = parse_size(self.trim_every, api, "trim_every", share=False)
+            if every <= 0:
                 raise ValueError(
                     f"{api}: trim_every must be a positive size such as '64MiB', 'auto' or None; "
                     f"got {self.trim_every!r}"

@@ -267,6 +267,10 @@ class Plan:
             CPU step of the plan runs (rule 8; NOTE [ Returning memory ] in _trim.py).
         checkpointed_s: what backward spends recomputing the modules the user
             checkpoints (rule 6): in ``predicted_step_s``, not in ``base_step_s``.
+        limit_bytes: under a memory limit, the limit (NOTE [ Memory limit ] in
+            _limit.py); the budget is then the one the plan was made for.
+        base_bytes: under a memory limit, what the device held at the step's start:
+            the limit less this is the room the plan's real peak growth must fit.
     """
 
     budget: int
@@ -285,6 +289,8 @@ class Plan:
     trim_s: float = 0.0
     returns_memory: bool = False
     checkpointed_s: float = 0.0
+    limit_bytes: int | None = None
+    base_bytes: int | None = None
 
     @property
     def quiet(self) -> bool:
@@ -314,7 +320,19 @@ class Plan:
 
     def table(self) -> str:
         """The plan for people: the budget, each saving, the predictions."""
-        lines = [
+        lines = []
+        if self.limit_bytes is not None and self.base_bytes is not None:
+            room = self.limit_bytes - self.base_bytes
+            growth = self.predicted_peak_bytes
+            reaches = ""
+            if growth is not None:
+                over = "" if growth <= room else " (over: the least any plan reaches)"
+                reaches = f"; predicted real peak {human_bytes(self.base_bytes + growth)}{over}"
+            lines.append(
+                f"limit {human_bytes(self.limit_bytes)}: {human_bytes(self.base_bytes)} held "
+                f"before the step, {human_bytes(room)} left for it{reaches}"
+            )
+        lines += [
             f"budget {human_bytes(self.budget)} of {human_bytes(self.activation_bytes)} "
             f"activation bytes; held at the end of forward {human_bytes(self.held_bytes)}"
             + ("" if self.fits else f" (the least reachable: {human_bytes(self.reachable_bytes)})"),

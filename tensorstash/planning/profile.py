@@ -514,6 +514,22 @@ class Profile:
             if step.measure and self._needs_peak((paths, moves)):  # as plan_of names it
                 step.take_peak()
 
+    def planned_room(self, room: int) -> None:
+        """The step being measured runs under a memory limit that leaves it ``room``
+        bytes over its base (NOTE [ Memory limit ] rule 6 compares its peak with it)."""
+        if self._step is not None:
+            self._step.room = room
+
+    def overrun(self) -> int:
+        """NOTE [ Memory limit ] rule 6: the most a recent step that took the real peak
+        went past the room it was planned for (0 where none did)."""
+        over = [
+            rec.peak_bytes - rec.room_bytes
+            for rec in self.peaks
+            if rec.peak_bytes is not None and rec.room_bytes is not None
+        ]
+        return max(0, *over) if over else 0
+
     def set_up_ran(self) -> None:
         """A one-time set-up ran at the model's first call, before its forward: the step
         being measured is timed, and its memory and faults taken, from now (rule 6)."""

@@ -1,0 +1,201 @@
+"""A memory limit: the most real memory a step may hold, and the plan that keeps it.
+
+# NOTE [ Memory limit ]
+1. ``Auto(limit=...)`` is absolute, as the device counts it: on CUDA the
+   bytes the caching allocator hands out (``max_memory_allocated``), on the
+   CPU the process's resident set. Everything counts: parameters, gradients,
+   optimizer state, activations, what backward recomputes, workspaces, and
+   tensorstash's own buffers, pools, threads and profile. A share (0.9,
+   "90%") is of the device's capacity: a CUDA device's total memory; on the
+   CPU the cgroup's memory limit where one is set, else physical RAM.
+2. Each step, at the model's first call, the limit less what the device holds
+   then (the base) is the step's room: what the step may add. On the CPU the
+   base is the resident set less the blocks the session pool keeps waiting
+   (they serve the step's first allocations); on CUDA the allocated bytes.
+   A base that moved since the last step (an optimizer's state made at its
+   first ``step()``, the last batch's outputs still referenced) moves the
+   room with it, before the step runs.
+3. A plan's predicted real peak is its growth over the base (NOTE [ Plan ]
+   rule 6: what the steps that took the real peak held besides their saved
+   bytes, plus the plan's held bytes at its peak). The plan a step runs is
+   the one made for the largest budget of saved bytes whose predicted peak
+   fits the room less a margin (``MARGIN_SHARE`` of the room, at least
+   ``MARGIN_LEAST``): the largest budget, since a larger budget moves and
+   recomputes less. The first budget tried is the room less what the
+   measured steps held besides their saved bytes; each next one is the last
+   less what its plan was predicted over (a plan that recomputes holds more
+   in backward than at the end of forward), a few at most, and the budget of
+   nothing where none fitted; of the plans tried, the fastest that fits
+   runs. The plan is kept while the measurements and the room (rounded down
+   to a ``ROOM_STEP``) stay.
+4. A step with no real peak measured yet (the profile's first) knows nothing
+   of what the step holds besides its saved bytes, and runs under a budget
+   that surely fits: ``FIRST_SHARE`` of the room, less the gradients its
+   backward will make (the parameters that require one and have none), every
+   tensor past it moved out from the first (rule 5 of ``Auto``; Auto's rule 3,
+   which keeps a profile's first step whole to time it, does not apply under
+   a limit). A session without a profile does the same every step: it has no
+   measurement to plan from.
+5. No silent overrun. A room of nothing (a limit under what the device holds
+   already) raises :class:`MemoryLimitError` at the model's first call,
+   before the step runs. A room that no plan fits (every module that may be
+   recomputed recomputed and every site moved, still predicted over) is
+   warned of once per limit, naming the limit, the least real peak a plan
+   reaches and what reaches it; ``Auto`` then runs that least plan.
+6. Calibration: a measured step whose real peak went past the room it was
+   planned for (by more than the margin) widens the margin of later plans by
+   what it went over, so that one plan predicted short is not made again.
+
+The figures behind these choices: docs/figures/auto.md ("A memory limit").
+"""
+
+from __future__ import annotations
+
+import statistics
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tensorstash.core.stats import human_bytes
+from tensorstash.memory import _pool
+from tensorstash.memory._memory import device_capacity, real_memory_now
+
+__all__ = [
+    "FIRST_SHARE",
+    "MARGIN_LEAST",
+    "MARGIN_SHARE",
+    "ROOM_STEP",
+    "MemoryLimitError",
+    "base_now",
+    "first_budget",
+    "held_besides",
+    "gradient_bytes",
+    "limit_bytes",
+    "within",
+]
+
+MARGIN_SHARE = 0.04
+"""Rule 3: the share of a step's room its plan leaves free, for a peak measured short."""
+MARGIN_LEAST = 1 << 20
+"""Rule 3: the least margin a plan leaves free."""
+FIRST_SHARE = 0.5
+"""Rule 4: the share of the room a step with nothing measured keeps in saved bytes."""
+ROOM_STEP = 1 << 20
+"""Rule 3: rooms that differ by less than this share a plan."""
+SEARCHES = 4
+"""Rule 3: how many budgets the search tries at most."""
+
+
+class MemoryLimitError(RuntimeError):
+    """A memory limit no step can keep: the device already holds more (rule 5 of
+    NOTE [ Memory limit ])."""
+
+
+def limit_bytes(limit: int | float, device: torch.device) -> int:
+    """The limit in bytes on ``device``: a share (a float) is of its capacity (rule 1)."""
+    if isinstance(limit, float):
+        return int(limit * device_capacity(device))
+    return int(limit)
+
+
+def base_now(device: torch.device) -> int:
+    """What ``device`` holds now, as a limit counts it (rule 2)."""
+    held = real_memory_now(device)
+    if device.type != "cuda":
+        pooled = _pool.counts()
+        if pooled is not None:
+            held -= pooled.cached_bytes
+    return held
+
+
+def gradient_bytes(root: nn.Module | None) -> int:
+    """The bytes of the gradients a backward through ``root`` will make (rule 4)."""
+    if root is None:
+        return 0
+    return sum(p.nbytes for p in root.parameters() if p.requires_grad and p.grad is None)
+
+
+def first_budget(room: int, root: nn.Module | None) -> int:
+    """Rule 4: the saved bytes a step with nothing measured may keep within ``room``."""
+    return max(0, int(FIRST_SHARE * room) - gradient_bytes(root))
+
+
+def margin(room: int, widened: int = 0) -> int:
+    """Rule 3 (and 6): what a plan leaves free of ``room``."""
+    return max(MARGIN_LEAST, int(MARGIN_SHARE * room)) + widened
+
+
+def within(room: int, plan_for: Callable[[int], Any], other: int) -> tuple[int, Any]:
+    """Rule 3: the fastest plan whose predicted real peak fits ``room``, and its budget;
+    ``plan_for(budget)`` makes a plan (None before a step was measured), ``other`` is what
+    the measured steps held besides their saved bytes.
+
+    The first budget tried is the room less ``other``; each next one is the last less
+    what its plan was predicted over. Where none fits, the plan predicted to hold least.
+    """
+    budget = max(0, room - other)
+    tried: dict[int, Any] = {}
+    for _ in range(SEARCHES):
+        if budget in tried:
+            break
+        plan = tried[budget] = plan_for(budget)
+        if plan is None:
+            return budget, None
+        peak = plan.predicted_peak_bytes
+        if peak is None or peak <= room:
+            break
+        budget = max(0, budget - (peak - room))
+    if 0 not in tried and not any(_fits(plan, room) for plan in tried.values()):
+        tried[0] = plan_for(0)
+    fitting = [(b, p) for b, p in tried.items() if _fits(p, room)]
+    if fitting:
+        return min(fitting, key=lambda bp: (bp[1].predicted_step_s, -bp[0]))
+    return min(tried.items(), key=lambda bp: bp[1].predicted_peak_bytes)
+
+
+def held_besides(profile: Any) -> int:
+    """What the steps that took the real peak held at it besides their saved bytes
+    (their median; NOTE [ Plan ] rule 6), 0 where none took it."""
+    steps = [s for s in profile.peak_steps() if s.peak_bytes is not None]
+    if not steps:
+        return 0
+    return int(statistics.median(s.peak_bytes - s.held_bytes for s in steps))
+
+
+def _fits(plan: Any, room: int) -> bool:
+    peak = plan.predicted_peak_bytes
+    return peak is None or peak <= room
+
+
+def refuse(limit: int, base: int, device: torch.device) -> None:
+    """Rule 5: a limit under what the device holds already."""
+    where = "the process's resident set" if device.type != "cuda" else f"{device} allocated"
+    raise MemoryLimitError(
+        f"tensorstash.Auto: limit {human_bytes(limit)} is under what the device holds before "
+        f"the step runs ({where}: {human_bytes(base)}); no plan can keep a step under it. "
+        f"Pass a limit above {human_bytes(base)} plus what a step must add (its gradients "
+        "and the inputs of its largest module), or free memory before the step"
+    )
+
+
+def warn_unreachable(limit: int, base: int, plan: Any) -> None:
+    """Rule 5: no plan's predicted peak fits the room: the least, and what reaches it."""
+    least = plan.predicted_peak_bytes
+    what = []
+    if plan.recompute:
+        what.append(f"recomputing {len(plan.recompute)} module(s)")
+    if plan.tiers:
+        what.append(f"moving {len(plan.tiers)} call site(s) off the device")
+    reaches = " and ".join(what) or "keeping every site"
+    warnings.warn(
+        f"tensorstash.Auto: limit {human_bytes(limit)} cannot be held: the device holds "
+        f"{human_bytes(base)} before the step, and the least real peak a plan reaches is "
+        f"{human_bytes(base + least)} ({reaches}). Pass limit >= {base + least} bytes, allow "
+        "more modules to be recomputed, or hold less before the step; until then Auto runs "
+        "that plan. (Shown once per limit.)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
