@@ -5,11 +5,10 @@ and setting (``Profile.plan_for``).
 
 from __future__ import annotations
 
-import functools
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -17,6 +16,7 @@ from torch import nn
 from tensorstash.core.stats import human_bytes
 from tensorstash.memory import _pool
 from tensorstash.planning import _limit, _rates
+from tensorstash.planning._calibration import step_noise
 from tensorstash.planning.plan import Plan, Rates, make_plan
 from tensorstash.tiers._spillwork import usable_cores
 
@@ -59,29 +59,44 @@ def plan_within(
     [ Memory limit ] rule 3), its budget at most ``cap`` where given; made again only once
     the measurements or the room moved."""
     key, make = planner(auto, profile, device_type, root)
-    if cap is not None:
-        make = functools.partial(_capped, make, cap)
+
+    def weighed(budget: int) -> tuple[Plan, list[Plan]] | None:
+        seen: list[Plan] = []
+        chosen = make(budget if cap is None else min(cap, budget), seen)
+        return None if chosen is None else (chosen, seen)
+
     steps = room // _limit.ROOM_STEP
     room = steps * _limit.ROOM_STEP  # rounded down: the plan serves the rooms it rounds from
     other = _limit.held_besides(profile)
-    return profile.plan_for(
-        ("limit", cap, *key), steps, lambda: _limit.within(room, make, other)[1]
-    )
+
+    def tried(plan: Plan) -> bool:
+        return not profile.needs_peak(plan.recompute, plan.moved_tiers)
+
+    def search() -> Plan | None:
+        last = profile.history[-1] if profile.history else None
+        running = None if last is None else _Ran(last.recomputed, frozenset(last.moved))
+        noise = step_noise(profile)
+        return _limit.within(room, weighed, other, tried, running=running, noise=noise)
+
+    return profile.plan_for(("limit", cap, *key), steps, search)
 
 
-def _capped(make: Callable[[int], Plan | None], cap: int, budget: int) -> Plan | None:
-    return make(min(cap, budget))
+class _Ran(NamedTuple):
+    """What the last step's plan recomputed and where it moved bytes (its kind)."""
+
+    recompute: tuple[str, ...]
+    moved_tiers: frozenset[str]
 
 
 def planner(
     auto: Any, profile: Any, device_type: str, root: nn.Module
-) -> tuple[tuple[Any, ...], Callable[[int], Plan | None]]:
+) -> tuple[tuple[Any, ...], Callable[..., Plan | None]]:
     """The key of ``auto``'s options for plans of ``root``, and what makes one for a budget."""
     device = "cuda" if device_type == "cuda" else "cpu"
     trims = trims_memory(device, auto.trim_every)
     key = (device, auto.recompute, auto.never_recompute, auto.always_recompute, trims)
 
-    def make(budget: int) -> Plan | None:
+    def make(budget: int, seen: list[Plan] | None = None) -> Plan | None:
         return make_plan(
             profile,
             budget,
@@ -91,6 +106,7 @@ def planner(
             always=paths(profile, auto.always_recompute),
             rates=rates(auto, profile, budget, device_type, root),
             trims=trims,  # as the step's watch does
+            seen=seen,
         )
 
     return key, make

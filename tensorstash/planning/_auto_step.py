@@ -170,7 +170,7 @@ class _AutoState:
         plan, profile = self.plan, self.profile
         if not profile.model_called(signature(args, kwargs)):
             return
-        if plan is None or not plan.quiet:
+        if plan is None or not plan.quiet or self._peak_due(plan):
             return
         if session is None or not session.go_quiet():
             return
@@ -187,6 +187,7 @@ class _AutoState:
         if (
             plan is not None
             and plan.quiet
+            and not self._peak_due(plan)
             and profile.stays_quiet(module, inputs)
             and session.stay_quiet()
         ):
@@ -197,8 +198,20 @@ class _AutoState:
         elif session.wake(module, args):
             # What a step that began at the session's open took at the model's call.
             if self.planned_for:
-                profile.recomputing(tuple(path for path, _ in self.recomputed), self._moves())
+                profile.recomputing(
+                    tuple(path for path, _ in self.recomputed),
+                    self._moves(),
+                    peak=self.auto._parsed[2] is not None,
+                )
             profile.model_called(inputs)
+
+    def _peak_due(self, plan: Plan) -> bool:
+        """Under a memory limit, whether a step of ``plan`` takes the real peak: fewer than
+        PEAK_SAMPLES steps of its kind did (NOTE [ Memory limit ] rule 3), and a quiet
+        step takes none."""
+        return self.auto._parsed[2] is not None and self.profile.needs_peak(
+            plan.recompute, plan.moved_tiers
+        )
 
     def _quiet_from_here(self, quiet: Any) -> None:
         """The step went quiet (``quiet``: its timing, or None where it is not timed)."""
@@ -238,7 +251,8 @@ class _AutoState:
             module = profile.module(path)
             if module is not None and wrap_for_plan(module, profile.clock):
                 self.recomputed.append((path, module))
-        profile.recomputing(tuple(path for path, _ in self.recomputed), self._moves())
+        limited = self.auto._parsed[2] is not None
+        profile.recomputing(tuple(path for path, _ in self.recomputed), self._moves(), peak=limited)
 
     def _moves(self) -> frozenset[str]:
         """The stats' tiers the plan moves bytes to, as a step's record will name them."""

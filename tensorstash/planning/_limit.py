@@ -51,6 +51,7 @@ The figures behind these choices: docs/figures/auto.md ("A memory limit").
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import warnings
 from collections.abc import Callable
@@ -87,6 +88,8 @@ ROOM_STEP = 1 << 20
 """Rule 3: rooms that differ by less than this share a plan."""
 SEARCHES = 4
 """Rule 3: how many budgets the search tries at most."""
+UNTRIED_SHARE = 0.15
+"""Rule 3: the share of the room a plan of a kind no step measured must leave to spare."""
 
 
 class MemoryLimitError(RuntimeError):
@@ -128,32 +131,73 @@ def margin(room: int, widened: int = 0) -> int:
     return max(MARGIN_LEAST, int(MARGIN_SHARE * room)) + widened
 
 
-def within(room: int, plan_for: Callable[[int], Any], other: int) -> tuple[int, Any]:
-    """Rule 3: the fastest plan whose predicted real peak fits ``room``, and its budget;
-    ``plan_for(budget)`` makes a plan (None before a step was measured), ``other`` is what
-    the measured steps held besides their saved bytes.
+def within(
+    room: int,
+    plans_for: Callable[[int], tuple[Any, list[Any]] | None],
+    other: int,
+    tried: Callable[[Any], bool] = lambda plan: True,
+    *,
+    running: Any = None,
+    noise: float = 0.0,
+) -> Any:
+    """Rule 3: the fastest plan whose predicted real peak fits ``room``, its budget
+    what it holds at least; None before a step was measured.
 
-    The first budget tried is the room less ``other``; each next one is the last less
-    what its plan was predicted over. Where none fits, the plan predicted to hold least.
+    Args:
+        room: what the limit leaves the step, less the margin.
+        plans_for: ``plans_for(budget)``: the plan chosen for a budget (NOTE [ Plan ])
+            and every plan weighed for it, or None before a step was measured.
+        other: what the measured steps held besides their saved bytes.
+        tried: whether a step of the plan's kind took the real peak; a plan of a kind
+            none did must fit with ``UNTRIED_SHARE`` of the room to spare.
+        running: the plan the last step ran, kept where it still fits and the fastest
+            is faster by no more than ``noise`` seconds (a plan does not flip for less).
     """
+
+    def over(plan: Any) -> int:
+        spare = 0 if tried(plan) else int(UNTRIED_SHARE * room)
+        return _peak(plan) + spare - room
+
     budget = max(0, room - other)
-    tried: dict[int, Any] = {}
+    weighed: list[Any] = []
+    budgets: set[int] = set()
     for _ in range(SEARCHES):
-        if budget in tried:
+        if budget in budgets:
             break
-        plan = tried[budget] = plan_for(budget)
-        if plan is None:
-            return budget, None
-        peak = plan.predicted_peak_bytes
-        if peak is None or peak <= room:
+        budgets.add(budget)
+        made = plans_for(budget)
+        if made is None:
+            return None
+        plan, seen = made
+        weighed += [plan, *seen]
+        if over(plan) <= 0 or budget == 0:
             break
-        budget = max(0, budget - (peak - room))
-    if 0 not in tried and not any(_fits(plan, room) for plan in tried.values()):
-        tried[0] = plan_for(0)
-    fitting = [(b, p) for b, p in tried.items() if _fits(p, room)]
-    if fitting:
-        return min(fitting, key=lambda bp: (bp[1].predicted_step_s, -bp[0]))
-    return min(tried.items(), key=lambda bp: bp[1].predicted_peak_bytes)
+        budget = max(0, budget - over(plan))
+    if 0 not in budgets and not any(over(plan) <= 0 for plan in weighed):
+        made = plans_for(0)
+        if made is not None:
+            weighed += [made[0], *made[1]]
+    fitting = [plan for plan in weighed if over(plan) <= 0]
+    if not fitting:
+        chosen = min(weighed, key=_peak)
+    else:
+        chosen = min(fitting, key=lambda p: (p.predicted_step_s, -p.budget))
+        if running is not None:
+            same = [p for p in fitting if _kind(p) == _kind(running)]
+            if same:
+                kept = min(same, key=lambda p: (p.predicted_step_s, -p.budget))
+                if kept.predicted_step_s <= chosen.predicted_step_s + noise:
+                    chosen = kept
+    return dataclasses.replace(chosen, budget=max(chosen.budget, chosen.held_bytes))
+
+
+def _kind(plan: Any) -> tuple[Any, ...]:
+    return (plan.recompute, plan.moved_tiers)
+
+
+def _peak(plan: Any) -> int:
+    peak = plan.predicted_peak_bytes
+    return 0 if peak is None else int(peak)
 
 
 def held_besides(profile: Any) -> int:
@@ -163,11 +207,6 @@ def held_besides(profile: Any) -> int:
     if not steps:
         return 0
     return int(statistics.median(s.peak_bytes - s.held_bytes for s in steps))
-
-
-def _fits(plan: Any, room: int) -> bool:
-    peak = plan.predicted_peak_bytes
-    return peak is None or peak <= room
 
 
 def refuse(limit: int, base: int, device: torch.device) -> None:

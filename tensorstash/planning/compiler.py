@@ -312,15 +312,17 @@ def _last_backward_end() -> float | None:
 def _compiling() -> dict[str, Any] | None:
     """What AOTAutograd says of the saved tensor it is asking about (its graphs, its
     node), or None for an eager call."""
-    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
-
-    return _get_saved_tensor_hook_context()
+    # Not imported until AOTAutograd first compiles: an eager call then, and importing it
+    # here would bring in the compiler (several MiB) for a model that never compiles.
+    graph_compile = sys.modules.get("torch._functorch._aot_autograd.graph_compile")
+    if graph_compile is None:
+        return None
+    return graph_compile._get_saved_tensor_hook_context()
 
 
 def prepare() -> CompilerHooks:
-    """The default partitioner's pair, and what its calls import, made before a step is
-    timed: a profile's first step would otherwise carry that one-time work."""
-    _compiling()
+    """The default partitioner's pair, made before a step is timed: a profile's first step
+    would otherwise carry that one-time work."""
     return hooks_for(1.0)
 
 

@@ -177,9 +177,9 @@ from __future__ import annotations
 
 import functools
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from tensorstash.core.stats import human_bytes
 from tensorstash.planning._calibration import (
@@ -371,6 +371,7 @@ def make_plan(
     always: Iterable[str] = (),
     rates: Rates | None = None,
     trims: bool | Literal["auto"] = False,
+    seen: list[Plan] | None = None,
 ) -> Plan | None:
     """The plan for ``budget`` from what ``profile`` measured; None before a step was measured.
 
@@ -385,6 +386,8 @@ def make_plan(
         trims: whether a step that saves bytes hands freed memory back to the
             OS (rule 8: ``Auto`` on the CPU); "auto": where the plan holds at
             most :data:`RETURNS_BELOW` of the activation bytes.
+        seen: where given, every plan weighed is appended to it (a memory limit
+            weighs them by their real peak: NOTE [ Memory limit ] rule 3).
     """
     step = profile.measured()
     if step is None:
@@ -393,6 +396,8 @@ def make_plan(
     solve = functools.partial(
         _solve, profile, step, budget, device, speeds, never=never, recompute=recompute
     )
+    if seen is not None:
+        solve = functools.partial(_seen, solve, seen)
     plan = solve(always, moves=True, trims=trims)
     if device == "cuda" and "host" in plan.tiers.values():  # rule 10: room for the copies
         room = min(COPY_ROOM_MAX, int(budget * COPY_ROOM_SHARE))
@@ -423,6 +428,12 @@ def make_plan(
     untried = measures and _measured_peak(profile, whole) is None
     if untried or _holds_less(profile, whole, plan):
         return whole  # as fast: run until its real peak is taken, then kept where it holds less
+    return plan
+
+
+def _seen(solve: Callable[..., Plan], seen: list[Plan], *args: Any, **kwargs: Any) -> Plan:
+    plan = solve(*args, **kwargs)
+    seen.append(plan)
     return plan
 
 
@@ -506,14 +517,8 @@ def _priced(solver: Solver, budget: int, trims: bool | Literal["auto"], step: St
     predicted += faults_s + trim_s + calibration.checkpointed_s
     plain_faulted = calibration.faulted((), False, activation, step, False, at_peak)
     base += calibration.faults_s(plain_faulted) + calibration.trimmed((), False, False)
-    peak = None
-    measured = [s for s in calibration.profile.peak_steps() if s.peak_bytes is not None]
-    if measured:  # the steps that took the real peak under the last plan that took it
-        other = statistics.median(
-            s.peak_bytes - at_peak(s.recomputed, s.held_bytes)  # type: ignore[operator]
-            for s in measured
-        )
-        peak = max(0, int(other) + at_peak(recompute, held))
+    other = _held_besides(calibration.profile, recompute, tiers, at_peak)
+    peak = None if other is None else max(0, other + at_peak(recompute, held))
     return Plan(
         budget=budget,
         activation_bytes=activation,
@@ -532,6 +537,36 @@ def _priced(solver: Solver, budget: int, trims: bool | Literal["auto"], step: St
         returns_memory=returns,
         checkpointed_s=calibration.checkpointed_s,
     )
+
+
+def _held_besides(
+    profile: Profile,
+    recompute: tuple[str, ...],
+    tiers: dict[Site, Tier],
+    at_peak: Callable[[tuple[str, ...], int], int],
+) -> int | None:
+    """What a step of the plan holds at its real peak besides its saved bytes (rule 6):
+    the median over the steps that took the peak under a plan that recomputed and moved
+    as this one does; for a plan no such step ran, the median of the kinds of plan that,
+    as it does, recompute (or do not), else of every kind: the peak of a plan that
+    recomputes comes while backward recomputes, that of one that does not at the start
+    of backward, with other tensors alive beside the saved ones (a prediction for one
+    made from the other's steps was short by a fifth of a step's room:
+    docs/figures/auto.md). None where no step took the real peak."""
+    moved = frozenset("disk" if t == "disk" else "host" for t in tiers.values() if t != "keep")
+    kinds: dict[tuple[object, ...], list[int]] = {}
+    for step in profile.peaks:
+        if step.peak_bytes is not None:
+            besides = step.peak_bytes - at_peak(step.recomputed, step.held_bytes)
+            kinds.setdefault(plan_of(step), []).append(besides)
+    if not kinds:
+        return None
+    medians = {kind: int(statistics.median(held)) for kind, held in kinds.items()}
+    found = medians.get((recompute, moved))
+    if found is not None:
+        return found
+    alike = [held for (done, _), held in medians.items() if bool(done) == bool(recompute)]
+    return int(statistics.median(alike or medians.values()))
 
 
 def _reachable(calibration: Calibration) -> int:

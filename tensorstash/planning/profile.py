@@ -499,20 +499,28 @@ class Profile:
         """
         return self._schedule.plan_for(key, budget, make)
 
-    def recomputing(self, paths: tuple[str, ...], moves: frozenset[str] = frozenset()) -> None:
+    def recomputing(
+        self, paths: tuple[str, ...], moves: frozenset[str] = frozenset(), *, peak: bool = False
+    ) -> None:
         """The plan recomputes ``paths`` in the step being measured (rule 4), and moves
         bytes to the tiers ``moves`` ("host", "disk").
 
         A measured step that runs a plan under which fewer than
-        :data:`PEAK_SAMPLES` steps took the real peak takes it (rule 6).
+        :data:`PEAK_SAMPLES` steps took the real peak takes it (rule 6); with ``peak``
+        (a memory limit's steps: NOTE [ Memory limit ] rule 3), any step that does.
         """
         step = self._step
         if step is not None:
             step.recomputed = paths
             # Seconds left from a step whose backward never ended are not this step's.
             self.drop_recompute_seconds(paths)
-            if step.measure and self._needs_peak((paths, moves)):  # as plan_of names it
+            if (step.measure or peak) and self._needs_peak((paths, moves)):  # as plan_of
                 step.take_peak()
+
+    def needs_peak(self, paths: tuple[str, ...], moves: frozenset[str]) -> bool:
+        """Whether fewer than :data:`PEAK_SAMPLES` steps took the real peak under a plan
+        that recomputes ``paths`` and moves bytes to ``moves`` (rule 6)."""
+        return self._needs_peak((paths, moves))
 
     def planned_room(self, room: int) -> None:
         """The step being measured runs under a memory limit that leaves it ``room``
