@@ -39,7 +39,8 @@ def _policy_list(text: str) -> list[str]:
     if not names:
         raise argparse.ArgumentTypeError(
             f"no policy in {text!r}; valid policies are "
-            f"{', '.join((*bench.ALL_POLICIES, *bench.OPTIONAL_PEERS))} and auto:<budget>"
+            f"{', '.join((*bench.ALL_POLICIES, *bench.OPTIONAL_PEERS))}, auto:<budget>, "
+            "hf-offload and hf-every:<k>"
         )
     try:
         bench.resolve_policies(names)
@@ -125,15 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=_policy_list,
         default=None,
         help=f"comma-separated, from: {_escaped(bench.ALL_POLICIES)}, "
-        f"{_escaped(bench.OPTIONAL_PEERS)} (GPU) and auto:<budget>, the budget in bytes "
-        "(auto:8MiB) or a share of the model's activation bytes (auto:50%%) (default: "
-        f"{_escaped(bench.DEFAULT_POLICIES)}; none is always run, as the baseline)",
+        f"{_escaped(bench.OPTIONAL_PEERS)} (GPU), auto:<budget>, the budget in bytes "
+        "(auto:8MiB) or a share of the model's activation bytes (auto:50%%), and on a "
+        "Hugging Face model its own checkpointing: hf-every:<k> (one decoder layer in k) "
+        "and hf-offload (every layer, their inputs in pinned host memory; GPU) (default: "
+        f"{_escaped(bench.DEFAULT_POLICIES)}, and {_escaped(bench.HF_PEERS)} on an HF "
+        "model; none is always run, as the baseline)",
     )
     chosen.add_argument(
         "--sweep",
         action="store_true",
-        help=f"run {_escaped(bench.SWEEP_POLICIES)} in float32 and under bfloat16 autocast "
-        "(the optional peers only on a GPU, where installed); --steps defaults to 8",
+        help=f"run {_escaped(bench.SWEEP_POLICIES)} (and {_escaped(bench.HF_PEERS)} on an HF "
+        "model) in float32 and under bfloat16 autocast (the optional peers only on a GPU, "
+        "where installed); --steps defaults to 8",
     )
     run.add_argument(
         "--steps", type=_positive_int, default=None, help="timed rounds (default 3; 8 with --sweep)"
@@ -315,10 +320,10 @@ def _workload(args: argparse.Namespace) -> tuple[bench.Workload, list[str]]:
     workload = _load_workload(args)
     policies = args.policies
     if policies is None:
-        policies = list(bench.SWEEP_POLICIES if args.sweep else bench.DEFAULT_POLICIES)
-        if workload.blocks is None:
-            skipped = [name for name in policies if name in bench.NEEDS_BLOCKS]
-            policies = [name for name in policies if name not in bench.NEEDS_BLOCKS]
+        policies = bench.default_policies(workload, sweep=args.sweep)
+        skipped = [name for name in policies if bench.needs_blocks(name, workload)]
+        if skipped:
+            policies = [name for name in policies if name not in skipped]
             print(
                 f"tensorstash bench: skipping {' and '.join(skipped)}: the model script "
                 "returns no blocks to wrap (return (model, batch, blocks) to run them)",
@@ -344,6 +349,7 @@ def _run(
             twins=args.twins,
             device=args.device,
             compile=args.compile,
+            workload=workload,
         )
         for index in range(len(dtypes))
     )
@@ -490,6 +496,11 @@ def _bench_loop(args: argparse.Namespace) -> int:
     if peers:
         print(f"tensorstash bench: skipping {', '.join(peers)}: needs CUDA", file=sys.stderr)
         names = [name for name in names if name not in peers]
+    for name in [name for name in names if bench.is_hf_peer(name)]:
+        why = bench.skip_reason(name, bench.resolve_device("cpu"), workload=workload)
+        if why is not None:
+            print(f"tensorstash bench: skipping {name}: {why}", file=sys.stderr)
+            names.remove(name)
     model = ["--model", args.model] if args.model_script is None else [
         "--model-script", args.model_script,
     ]  # fmt: skip

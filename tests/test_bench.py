@@ -777,7 +777,7 @@ def test_bench_goes_on_past_an_optional_peer_that_raises(
         def __exit__(self, *exc: object) -> None:
             return None
 
-    monkeypatch.setattr(rounds, "skip_reason", lambda name, device, compiled=False: None)
+    monkeypatch.setattr(rounds, "skip_reason", lambda name, device, **where: None)
     monkeypatch.setattr(variants, "_peer_context", lambda name, workload: Failing())
     out = tmp_path / "bench.json"
     code = main(

@@ -279,6 +279,7 @@ def test_bench_compile_checkpoint_the_hf_way_compiles_nothing_after_warm_up() ->
 
     from tensorstash.bench import workloads
     from tensorstash.bench.compiled import compiled_run
+    from tensorstash.bench.hf import hf_checkpointing
 
     config = transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
@@ -292,7 +293,7 @@ def test_bench_compile_checkpoint_the_hf_way_compiles_nothing_after_warm_up() ->
         (torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0)),),
         GPT2Block,
         "a two-layer HF GPT-2",
-        checkpointing=workloads._hf_checkpointing,
+        checkpointing=hf_checkpointing,
         library_model=library_model,
     )
     hooks = len(library_model.get_input_embeddings()._forward_hooks)

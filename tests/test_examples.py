@@ -12,7 +12,12 @@ import pytest
 pytestmark = pytest.mark.slow  # each example is a new Python process
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
-NEEDS = {"lightning_callback": ("lightning",), "hf_trainer": ("transformers", "accelerate")}
+NEEDS = {
+    "lightning_callback": ("lightning",),
+    "hf_trainer": ("transformers", "accelerate"),
+    "hf_lora_trainer": ("transformers", "accelerate", "peft"),
+    "lora_model": ("transformers", "peft"),
+}
 """The optional extras an example needs; without them it is skipped."""
 
 

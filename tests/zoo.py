@@ -333,3 +333,89 @@ class Explodes(nn.Module):
 
 class Boom(Exception):
     """The error :class:`Explodes` raises."""
+
+
+# -- Hugging Face language models with LoRA adapters (transformers and peft; not in ZOO) -----
+
+LORA_TARGETS: dict[str, tuple[str, ...]] = {
+    "gpt2": ("c_attn", "c_proj", "c_fc"),
+    "llama": ("q_proj", "v_proj", "o_proj", "down_proj"),
+}
+"""The modules LoRA adapts in each HF model of :data:`HF_MODELS`, as fine-tuning recipes
+name them (GPT-2's are ``Conv1D``: weights stored input-major, ``fan_in_fan_out``)."""
+
+
+class LanguageModelLoss(nn.Module):
+    """An HF causal language model called as its users call it:
+    ``model(input_ids=..., labels=...)``, returning the loss HF computes."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.model(input_ids=input_ids, labels=input_ids).loss
+
+
+def hf_gpt2(seed: int = 0) -> nn.Module:
+    """A two-layer GPT-2 from a config (no download), dropout on, seeded weights."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64,
+        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"  # HF's default, named, so it is not announced
+    return model
+
+
+def hf_llama(seed: int = 0) -> nn.Module:
+    """A two-layer Llama from a config (no download): grouped-query attention, SwiGLU."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+HF_MODELS: dict[str, Callable[[int], nn.Module]] = {"gpt2": hf_gpt2, "llama": hf_llama}
+"""The HF models, by name: ``HF_MODELS[name](seed)`` builds one without adapters."""
+
+
+def with_lora(model: nn.Module, name: str, *, seed: int = 0, dropout: float = 0.1) -> nn.Module:
+    """``model`` (an :data:`HF_MODELS` model) with fresh LoRA adapters (PEFT) on
+    :data:`LORA_TARGETS`: its own weights frozen, the adapters seeded by ``seed``. LoRA's
+    ``B`` starts at zero, so it is seeded at random too: the adapters' gradients are then
+    all non-zero from the first step."""
+    import peft
+
+    config = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=dropout,
+        target_modules=list(LORA_TARGETS[name]),
+        fan_in_fan_out=name == "gpt2",
+    )
+    torch.manual_seed(seed)
+    adapted = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for parameter_name, parameter in adapted.named_parameters():
+            if "lora_B" in parameter_name:
+                parameter.normal_(0.0, 0.02)
+    return adapted
+
+
+def lora(name: str, seed: int = 0) -> Case:
+    """An HF model of :data:`HF_MODELS` with LoRA adapters, its loss from ``labels``."""
+    model = LanguageModelLoss(with_lora(HF_MODELS[name](seed), name, seed=seed)).train()
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 128, (4, 32), generator=generator)
+    return Case(f"lora-{name}", model, (tokens,), lambda loss: loss)  # type: ignore[arg-type,return-value]

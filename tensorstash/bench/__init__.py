@@ -3,6 +3,8 @@
 The modules, each importing only those above it:
 
 - :mod:`~tensorstash.bench.model`: the embedded GPT-style model and its sizes;
+- :mod:`~tensorstash.bench.hf`: NOTE [ HF peers ], Hugging Face's own checkpointing
+  and offload (transformers imported lazily);
 - :mod:`~tensorstash.bench.workloads`: what the bench trains (that model, an HF
   GPT-2); :mod:`~tensorstash.bench.script`: a user's model (``--model-script``);
 - :mod:`~tensorstash.bench.compiled`: NOTE [ Compiled runs ], ``--compile`` and the
@@ -28,6 +30,7 @@ from tensorstash.bench.compiled import (
     COMPILE_PREFIX,
     compile_budget,
 )
+from tensorstash.bench.hf import HF_EVERY_PREFIX, HF_OFFLOAD, HF_PEERS, hf_model, is_hf_peer
 from tensorstash.bench.measure import DTYPES, StepResult, StepRunner, resolve_device, resolve_dtype
 from tensorstash.bench.model import (
     CONFIGS,
@@ -55,6 +58,8 @@ from tensorstash.bench.variants import (
     SWEEP_POLICIES,
     budget_bytes,
     check_blocks,
+    default_policies,
+    needs_blocks,
     resolve_policies,
     skip_reason,
     variant_context,
@@ -80,7 +85,10 @@ __all__ = [
     "CONFIGS",
     "DEFAULT_POLICIES",
     "DTYPES",
+    "HF_EVERY_PREFIX",
     "HF_GPT2",
+    "HF_OFFLOAD",
+    "HF_PEERS",
     "MODELS",
     "MODEL_SCRIPT_PROTOCOL",
     "NEEDS_BLOCKS",
@@ -107,9 +115,13 @@ __all__ = [
     "check_blocks",
     "check_memory_snapshot",
     "compile_budget",
+    "default_policies",
     "format_table",
     "format_title",
+    "hf_model",
+    "is_hf_peer",
     "make_batch",
+    "needs_blocks",
     "pareto_front",
     "planned_steps",
     "resolve_config",

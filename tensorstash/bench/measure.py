@@ -17,7 +17,13 @@ from torch import Tensor, nn
 import tensorstash as ts
 from tensorstash.bench.compiled import CompiledForwards, graphs_compiled
 from tensorstash.bench.timeline import Timeline
-from tensorstash.bench.variants import BASELINE, NO_PLAN, checkpointed_copy, variant_context
+from tensorstash.bench.variants import (
+    BASELINE,
+    NO_PLAN,
+    runs_on_copy,
+    variant_context,
+    variant_copy,
+)
 from tensorstash.bench.workloads import Workload, checked_loss, to_device
 from tensorstash.memory._memory import meter, return_free_memory
 
@@ -141,7 +147,7 @@ class StepRunner:
         self.model = model
         self.forwards = CompiledForwards(model, compile)
         self._compile = compile
-        self._checkpointed: tuple[Workload, CompiledForwards] | None = None
+        self._copies: dict[str, tuple[Workload, CompiledForwards]] = {}
         self.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.batch = self.workload.batch
         self.device = device
@@ -204,23 +210,24 @@ class StepRunner:
 
     def model_for(self, name: str) -> Workload:
         """The workload variant ``name`` runs, under :meth:`variant` (a copy of the
-        model for "checkpoint", :meth:`_runs`)."""
+        model for "checkpoint" and HF's peers, :meth:`_runs`)."""
         return self._runs(name)[0]
 
     def _runs(self, name: str) -> tuple[Workload, CompiledForwards]:
         """The workload a variant's step runs and its forwards.
 
-        "checkpoint" runs a copy of the model whose checkpointing was turned on
-        once, at its first step, and stays on, as a user turns it on (NOTE
-        [ Compiled runs ] rule 7), called through code of its own (:class:`_OwnCode`).
+        "checkpoint" and HF's peers (``runs_on_copy``) each run a copy of the model
+        whose checkpointing was turned on once, at the variant's first step, and stays
+        on, as a user turns it on (NOTE [ Compiled runs ] rule 7, NOTE [ HF peers ]
+        rule 3), called through code of its own (:class:`_OwnCode`).
         """
-        if name != "checkpoint":
+        if not runs_on_copy(name):
             return self.workload, self.forwards
-        if self._checkpointed is None:
-            workload = checkpointed_copy(self.workload)  # the copy is this variant's alone
+        if name not in self._copies:
+            workload = variant_copy(name, self.workload)  # the copy is this variant's alone
             forwards = CompiledForwards(_OwnCode(workload.model), self._compile)
-            self._checkpointed = (workload, forwards)
-        return self._checkpointed
+            self._copies[name] = (workload, forwards)
+        return self._copies[name]
 
     def take_reference(self) -> None:
         """Plain autograd's gradients, and the activation bytes of one step (rule 4 of the NOTE).
@@ -238,8 +245,8 @@ class StepRunner:
 
     def variant(self, name: str) -> contextlib.AbstractContextManager[Any]:
         """The context variant ``name``'s step runs in, around :meth:`model_for`'s model:
-        its session, or none ("checkpoint": that model checkpoints already)."""
-        if name == "checkpoint":
+        its session, or none ("checkpoint", HF's peers: that model checkpoints already)."""
+        if runs_on_copy(name):
             return contextlib.nullcontext()
         return variant_context(
             name,

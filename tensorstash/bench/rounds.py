@@ -76,10 +76,10 @@ model, and the numbers are only comparable if nothing but the variant differs:
 10. ``--dtype bfloat16`` runs the forward under bfloat16 autocast, weights and
     gradients staying float32, the reference too. Each dtype is a run of its
     own (reference, activation bytes, rounds); ``--sweep`` runs both.
-11. An optional peer (another library's offloader) that raises while it is
-    made or run is left out of the rest of the run: its row says it was
-    skipped and why, the hooks it left pushed are popped, and every other
-    variant goes on.
+11. An optional peer (another library's offloader) or one of HF's own
+    (NOTE [ HF peers ]) that raises while it is made or run is left out of the
+    rest of the run: its row says it was skipped and why, the hooks it left
+    pushed are popped, and every other variant goes on.
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ from pathlib import Path
 import torch
 
 from tensorstash.bench.compiled import COMPILE_PREFIX, COMPILE_RUNS, compiled_run
+from tensorstash.bench.hf import is_hf_peer
 from tensorstash.bench.measure import (
     DTYPES,
     StepResult,
@@ -110,9 +111,9 @@ from tensorstash.bench.variants import (
     DEFAULT_POLICIES,
     NO_PLAN,
     OPTIONAL_PEERS,
-    SWEEP_POLICIES,
     budget_bytes,
     check_blocks,
+    default_policies,
     resolve_policies,
     skip_reason,
 )
@@ -136,11 +137,15 @@ def planned_steps(
     twins: bool = False,
     device: str | torch.device = "cpu",
     compile: bool = False,
+    workload: Workload | None = None,
 ) -> int:
     """How many steps :func:`run_bench` runs: reference, warm-up, timed and extra rounds,
-    and up to ``LEARNING_ROUNDS`` rounds more while a planner learns (rule 3)."""
+    and up to ``LEARNING_ROUNDS`` rounds more while a planner learns (rule 3); HF's peers
+    count only with a ``workload`` they run on."""
     requested = [*policies, *(COMPILE_RUNS if compile else ())]
-    names = _runnable(resolve_policies(requested), torch.device(device), compiled=compile)
+    names = _runnable(
+        resolve_policies(requested), torch.device(device), compiled=compile, workload=workload
+    )
     extra = int(timeline) + int(memory_snapshot)
     twin_count = sum(len(group) - 1 for group in _groups(names, twins=twins))
     return 2 + len(names) * (warmup + steps + extra) + twin_count * (warmup + steps)
@@ -154,8 +159,18 @@ def _learning(warm: dict[str, list[StepResult]]) -> bool:
     )
 
 
-def _runnable(names: list[str], device: torch.device, *, compiled: bool = False) -> list[str]:
-    return [name for name in names if skip_reason(name, device, compiled=compiled) is None]
+def _runnable(
+    names: list[str],
+    device: torch.device,
+    *,
+    compiled: bool = False,
+    workload: Workload | None = None,
+) -> list[str]:
+    return [
+        name
+        for name in names
+        if skip_reason(name, device, compiled=compiled, workload=workload) is None
+    ]
 
 
 def _groups(names: Sequence[str], *, twins: bool) -> list[list[str]]:
@@ -263,7 +278,7 @@ def run_sweep(
     device: str | torch.device = "cpu",
     seed: int = 0,
     *,
-    policies: Sequence[str] = SWEEP_POLICIES,
+    policies: Sequence[str] | None = None,
     warmup: int = 2,
     progress: Progress | None = None,
     workload: Workload | None = None,
@@ -274,15 +289,19 @@ def run_sweep(
 
     Runs Auto at 25, 50 and 75% of the activation bytes beside none,
     checkpoint, recompute, save_on_cpu, cpu, lz4, disk and the default Auto,
-    and on a GPU the optional peers (:data:`~tensorstash.bench.variants.SWEEP_POLICIES`).
-    ``timeline`` records the float32 run's timelines only; ``compile`` runs
-    both on the compiled model, beside the compiler's own budgets.
+    and on a GPU the optional peers (:data:`~tensorstash.bench.variants.SWEEP_POLICIES`),
+    and on an HF model HF's own peers (``policies=None``:
+    :func:`~tensorstash.bench.variants.default_policies`). ``timeline`` records the
+    float32 run's timelines only; ``compile`` runs both on the compiled model, beside the
+    compiler's own budgets.
 
     Returns:
         The rows of both runs, float32 first (``Row.dtype`` tells them apart).
     """
     if workload is None:
         workload = builtin_workload(config_name, seed)
+    if policies is None:
+        policies = default_policies(workload, sweep=True)
     rows: list[Row] = []
     for index, dtype in enumerate(DTYPES):
         rows += run_bench(
@@ -323,7 +342,9 @@ class _Rounds:
     ) -> None:
         self.runner = runner
         self.names = names
-        self.runnable = _runnable(names, runner.device, compiled=runner.forwards.compile)
+        self.runnable = _runnable(
+            names, runner.device, compiled=runner.forwards.compile, workload=runner.workload
+        )
         self.groups = _groups(self.runnable, twins=twins)
         self.steps = steps
         self.warmup = warmup
@@ -365,7 +386,7 @@ class _Rounds:
 
     def _step(self, name: str) -> StepResult | None:
         """One step of ``name``; rule 11: an optional peer that raises is left out."""
-        if name not in OPTIONAL_PEERS:
+        if name not in OPTIONAL_PEERS and not is_hf_peer(name):
             return self.runner.step(name)
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         try:
@@ -387,7 +408,10 @@ class _Rounds:
         trace: StepResult | None,
     ) -> Row:
         why = skip_reason(
-            name, self.runner.device, compiled=self.runner.forwards.compile
+            name,
+            self.runner.device,
+            compiled=self.runner.forwards.compile,
+            workload=self.runner.workload,
         ) or self.failed.get(name)
         if why is not None:
             return Row.skip(name, self.dtype, why)

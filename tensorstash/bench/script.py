@@ -11,13 +11,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tensorstash.bench.hf import hf_checkpointing, hf_model
 from tensorstash.bench.workloads import ModelScriptError, Workload, short_repr
 
 MODEL_SCRIPT_PROTOCOL = (
     "def factory() -> (model, batch) or (model, batch, blocks): model(*batch) returns "
     "a scalar loss tensor; batch is a tuple of the forward's arguments (a single tensor "
     "is accepted); blocks, for the checkpoint and recompute policies, is a module class "
-    "or a list of submodule names"
+    "or a list of submodule names (an HF model checkpoints its own way without them)"
 )
 
 
@@ -107,4 +108,18 @@ def _workload_from(result: Any, spec: str) -> Workload:
         )
     blocks = rest[0] if rest else None
     parameters = sum(p.numel() for p in model.parameters())
-    return Workload(model, tuple(batch), blocks, f"model {spec} ({parameters:,} parameters)")
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    counted = f"{parameters:,} parameters"
+    if trained < parameters:  # adapters on a frozen base
+        counted += f", {trained:,} trained"
+    # An HF model inside checkpoints its own way, as its users turn it on (NOTE [ HF peers ]).
+    library = hf_model(model)
+    own = library is not None and getattr(library, "supports_gradient_checkpointing", False)
+    return Workload(
+        model,
+        tuple(batch),
+        blocks,
+        f"model {spec} ({counted})",
+        checkpointing=hf_checkpointing if own else None,
+        library_model=library,
+    )

@@ -11,6 +11,10 @@ A variant is a name; :func:`variant_context` runs a region under it. Names:
 - the peers: "save_on_cpu" and "checkpoint" (torch's, or the model's own), and
   on a GPU the hook-based offloaders of torchtune and TRL, optional rows that
   are skipped, with the reason, where they cannot run (:func:`skip_reason`);
+- on a Hugging Face model, HF's own means (NOTE [ HF peers ] in hf.py):
+  ``hf-every:<k>``, its checkpointing of one decoder layer in ``k``, and
+  "hf-offload", its checkpointing with the layers' inputs in pinned host memory
+  (on a GPU); on another model their rows are skipped, with the reason;
 - ``compile:<b>``: the model compiled with the partitioner's activation memory
   budget ``b``, no stash (NOTE [ Compiled runs ] in compiled.py).
 """
@@ -30,6 +34,14 @@ from torch import nn
 
 import tensorstash as ts
 from tensorstash.bench.compiled import COMPILE_OFFLOAD, COMPILE_PREFIX, compile_budget
+from tensorstash.bench.hf import (
+    HF_PEERS,
+    every_n_layers,
+    hf_model,
+    hf_peer_on,
+    hf_skip_reason,
+    is_hf_peer,
+)
 from tensorstash.bench.workloads import Workload
 from tensorstash.planning.auto import parse_bytes
 
@@ -60,9 +72,11 @@ SWEEP_POLICIES: tuple[str, ...] = (
     BASELINE, "checkpoint", "recompute", "save_on_cpu", "cpu", "lz4", "disk",
     "auto", "auto:25%", "auto:50%", "auto:75%", *OPTIONAL_PEERS,
 )  # fmt: skip
-"""What ``--sweep`` runs, in float32 and under bf16 autocast."""
+"""What ``--sweep`` runs, in float32 and under bf16 autocast (and, on an HF model,
+:data:`~tensorstash.bench.hf.HF_PEERS`: :func:`default_policies`)."""
 NEEDS_BLOCKS = ("recompute", "checkpoint")
-"""Policies that wrap the model's blocks (see ``Workload.blocks``)."""
+"""Policies that wrap the model's blocks (see ``Workload.blocks``); "checkpoint" not on a
+model with checkpointing of its own (``Workload.checkpointing``)."""
 _INSTALL = {"torchtune": "pip install torchtune torchao", "trl": "pip install trl"}
 
 
@@ -130,7 +144,28 @@ def _is_policy(name: str) -> bool:
         except (ValueError, TypeError):
             return False
         return True
+    if is_hf_peer(name):
+        try:
+            every_n_layers(name)
+        except ValueError:
+            return False
+        return True
     return name in ALL_POLICIES or name in OPTIONAL_PEERS
+
+
+def default_policies(workload: Workload, *, sweep: bool = False) -> list[str]:
+    """What the bench runs when ``--policies`` is not given: :data:`DEFAULT_POLICIES` (or
+    :data:`SWEEP_POLICIES`), and HF's own peers on a model that holds an HF model."""
+    names = list(SWEEP_POLICIES if sweep else DEFAULT_POLICIES)
+    if hf_model(workload.model) is not None:
+        names.extend(HF_PEERS)
+    return names
+
+
+def runs_on_copy(name: str) -> bool:
+    """Whether the variant turns something on in the model for good, and so runs on a copy
+    of it made for it alone: "checkpoint" and HF's peers (rule 3 of NOTE [ HF peers ])."""
+    return name == "checkpoint" or is_hf_peer(name)
 
 
 def learns(name: str) -> bool:
@@ -142,8 +177,8 @@ def resolve_policies(names: Sequence[str]) -> list[str]:
     """Validate bench policy names, drop repeats and put the baseline "none" first.
 
     Args:
-        names: names from :data:`ALL_POLICIES`, :data:`OPTIONAL_PEERS` or
-            ``auto:<budget>``, in the order to run them.
+        names: names from :data:`ALL_POLICIES`, :data:`OPTIONAL_PEERS`,
+            ``auto:<budget>``, "hf-offload" or ``hf-every:<k>``, in the order to run them.
 
     Returns:
         The names to run, starting with "none" (overhead is measured against it).
@@ -156,18 +191,30 @@ def resolve_policies(names: Sequence[str]) -> list[str]:
         raise ValueError(
             f"tensorstash bench: unknown policy {unknown[0]!r}; valid policies are "
             f"{', '.join((*ALL_POLICIES, *OPTIONAL_PEERS))}, auto:<budget> (bytes such "
-            "as auto:8MiB, or a share of the activation bytes such as auto:50%) and "
+            "as auto:8MiB, or a share of the activation bytes such as auto:50%), "
             "compile:<b> (the model compiled with the partitioner's memory budget b, from 0 "
-            "to 1, such as compile:0.5); pass several comma-separated, e.g. --policies none,lz4"
+            "to 1, such as compile:0.5), and on a Hugging Face model hf-offload and "
+            "hf-every:<k> (HF's checkpointing of one decoder layer in k, k >= 1, such as "
+            "hf-every:2); pass several comma-separated, e.g. --policies none,lz4"
         )
     resolved = [BASELINE]
     resolved.extend(name for name in dict.fromkeys(names) if name != BASELINE)
     return resolved
 
 
-def skip_reason(name: str, device: torch.device, *, compiled: bool = False) -> str | None:
+def skip_reason(
+    name: str,
+    device: torch.device,
+    *,
+    compiled: bool = False,
+    workload: Workload | None = None,
+) -> str | None:
     """Why a variant cannot run here (None: it runs): an optional peer without CUDA or its
-    library, or "recompute" on a compiled model."""
+    library, "recompute" on a compiled model, or an HF peer on ``workload`` where it has no
+    HF model or its transformers lacks the peer (NOTE [ HF peers ]; without a workload, an
+    HF peer is taken to run)."""
+    if is_hf_peer(name):
+        return None if workload is None else hf_skip_reason(name, workload.model, device)
     if name == COMPILE_OFFLOAD and device.type != "cuda":
         return (
             "the compiler's offload copies device tensors to the host; on the "
@@ -194,7 +241,7 @@ def skip_reason(name: str, device: torch.device, *, compiled: bool = False) -> s
 
 def check_blocks(names: Sequence[str], workload: Workload) -> None:
     """Raise ValueError if a policy in ``names`` wraps blocks the workload does not name."""
-    blockless = [name for name in names if name in NEEDS_BLOCKS and workload.blocks is None]
+    blockless = [name for name in names if needs_blocks(name, workload)]
     if blockless:
         raise ValueError(
             f"tensorstash bench: policy {blockless[0]!r} wraps the model's blocks, and "
@@ -202,6 +249,14 @@ def check_blocks(names: Sequence[str], workload: Workload) -> None:
             "model script (blocks: a module class or submodule names), or leave "
             f"{' and '.join(NEEDS_BLOCKS)} out of --policies"
         )
+
+
+def needs_blocks(name: str, workload: Workload) -> bool:
+    """Whether variant ``name`` wraps blocks that ``workload`` does not name: "recompute",
+    and "checkpoint" on a model without checkpointing of its own."""
+    if workload.blocks is not None or name not in NEEDS_BLOCKS:
+        return False
+    return name == "recompute" or workload.checkpointing is None
 
 
 def checkpointing_on(workload: Workload) -> Callable[[], None]:
@@ -215,9 +270,18 @@ def checkpointing_on(workload: Workload) -> Callable[[], None]:
 def checkpointed_copy(workload: Workload) -> Workload:
     """The workload on a copy of its model whose "checkpoint" peer is on for good, as a
     user turns it on (HF's enable adds a hook that no disable takes off)."""
+    return variant_copy("checkpoint", workload)
+
+
+def variant_copy(name: str, workload: Workload) -> Workload:
+    """The workload on a copy of its model with variant ``name`` (:func:`runs_on_copy`) on
+    for good, as a user turns it on (rule 3 of NOTE [ HF peers ])."""
     model = copy.deepcopy(workload.model)
-    copied = dataclasses.replace(workload, model=model, library_model=None)
-    checkpointing_on(copied)
+    copied = dataclasses.replace(workload, model=model, library_model=hf_model(model))
+    if name == "checkpoint":
+        checkpointing_on(copied)
+    else:
+        hf_peer_on(name, model)
     return copied
 
 
@@ -307,8 +371,10 @@ def variant_context(
     elif name == "save_on_cpu":
         with torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"):
             yield None
-    elif name == "checkpoint":
-        off = checkpointing_on(workload)
+    elif runs_on_copy(name):  # the bench runs these on a copy (StepRunner.model_for)
+        off = (
+            checkpointing_on(workload) if name == "checkpoint" else hf_peer_on(name, workload.model)
+        )
         try:
             yield None
         finally:

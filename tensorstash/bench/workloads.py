@@ -7,16 +7,15 @@ named by ``--model``; ``--model-script`` loads a user's (see script.py).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from tensorstash.bench.hf import hf_checkpointing, hf_quiet
 from tensorstash.bench.model import CONFIGS, BenchGPT, Block, make_batch, resolve_config
 
 Batch = tuple[Any, ...]
@@ -41,16 +40,18 @@ class Workload:
         blocks: the submodules that "checkpoint" and "recompute" wrap, in any
             form :func:`tensorstash.recompute_modules` takes (a module class,
             submodule names, or a predicate); None when the model has none,
-            and then those two policies cannot run.
+            and then "recompute" cannot run, nor "checkpoint" on a model
+            without ``checkpointing``.
         description: one line that names the model in the table's title.
         checkpointing: turns on, on the model given (``model``, or a copy of
             it), checkpointing of every block the model's own way (the embedded
             model's flag, HF's ``activation_checkpointing_enable``), and returns
-            what turns it off again; for the "checkpoint" variant. None:
-            torch's checkpoint is put on ``blocks``.
+            what turns it off again; for the "checkpoint" variant (a script's
+            model that holds an HF model gets HF's). None: torch's checkpoint is
+            put on ``blocks``.
         library_model: the model as its library builds it, when ``model`` wraps
-            it to return the loss (HF: the ``GPT2LMHeadModel``); peers that look
-            for an output head are given it.
+            it to return the loss (HF: the ``GPT2LMHeadModel``, or the base model
+            inside a PEFT model); peers that look for an output head are given it.
     """
 
     model: nn.Module
@@ -137,7 +138,7 @@ def hf_gpt2_workload(seed: int) -> Workload:
     import transformers
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    with _hf_quiet():  # it says the default bos/eos ids lie outside this vocabulary
+    with hf_quiet():  # it says the default bos/eos ids lie outside this vocabulary
         config = transformers.GPT2Config(
             n_layer=4, n_embd=256, n_head=4, vocab_size=2048, n_positions=128,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -154,62 +155,9 @@ def hf_gpt2_workload(seed: int) -> Workload:
         GPT2Block,
         f"model {HF_GPT2} (transformers GPT2LMHeadModel: 4 layers, d=256, 4 heads, "
         f"vocab 2048, batch {HF_BATCH[0]}x{HF_BATCH[1]}, loss from labels)",
-        checkpointing=_hf_checkpointing,
+        checkpointing=hf_checkpointing,
         library_model=library_model,
     )
-
-
-def _hf_checkpointing(model: nn.Module) -> Callable[[], None]:
-    """HF's own gradient checkpointing of every block, non-reentrant, turned on as its
-    users turn it on, on the HF model ``model`` wraps (:class:`CausalLMLoss`) or on
-    ``model`` itself: what turns it off again.
-
-    Newer transformers call it ``activation_checkpointing_enable`` and warn on the
-    old name. The KV cache is turned off with it, in the config, as HF turns it off
-    itself in the first forward under checkpointing (with a warning). Each
-    enable also puts a forward hook on the input embeddings that no disable takes
-    off, and makes a new checkpoint function that compiled graphs guard on: the
-    bench turns it on once, on a copy of the model kept for the "checkpoint"
-    variant (``StepRunner.model_for``).
-    """
-    library: Any = model.model if isinstance(model, CausalLMLoss) else model
-    new = hasattr(library, "activation_checkpointing_enable")
-    use_cache = getattr(library.config, "use_cache", None)
-    with _hf_quiet():
-        if new:
-            library.activation_checkpointing_enable({"use_reentrant": False})
-        else:
-            library.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
-    if use_cache is not None:
-        library.config.use_cache = False
-
-    def off() -> None:
-        with _hf_quiet():
-            if new:
-                library.activation_checkpointing_disable()
-            else:
-                library.gradient_checkpointing_disable()
-        if use_cache is not None:
-            library.config.use_cache = use_cache
-
-    return off
-
-
-@contextlib.contextmanager
-def _hf_quiet() -> Iterator[None]:
-    """transformers' log messages and deprecation warnings held back inside the region."""
-    import transformers
-
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            yield
-    finally:
-        transformers.logging.set_verbosity(verbosity)
 
 
 # -- helpers of the step ----------------------------------------------------------------
