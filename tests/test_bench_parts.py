@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import statistics
 import sys
-import os
 import time
 from dataclasses import replace
 from pathlib import Path

@@ -615,17 +615,26 @@ def test_disk_spill_past_its_cap_keeps_tensors_in_memory(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "error"),
+    ("field", "value", "error", "match"),
     [
-        ("max_disk_bytes", -1, ValueError),
-        ("max_disk_bytes", "1GiB", TypeError),
-        ("trim_every", -1, ValueError),
-        ("trim_every", 1.5, TypeError),
+        ("max_disk_bytes", -1, ValueError, "must be at least 0 bytes"),
+        ("max_disk_bytes", "lots", ValueError, "must be bytes"),
+        ("max_disk_bytes", [1], TypeError, "must be None, bytes"),
+        ("trim_every", -1, ValueError, "must be at least 0 bytes"),
+        ("trim_every", 1.5, ValueError, "takes no share"),
     ],
 )
-def test_disk_spill_checks_its_sizes(field: str, value: object, error: type[Exception]) -> None:
-    with pytest.raises(error, match=rf"DiskSpill: {field} must be None or an int >= 0"):
+def test_disk_spill_checks_its_sizes(
+    field: str, value: object, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=rf"DiskSpill: {field} {match}"):
         ts.DiskSpill(**{field: value})  # type: ignore[arg-type]
+
+
+def test_disk_spill_takes_sizes_in_the_one_grammar() -> None:
+    spill = ts.DiskSpill(max_disk_bytes="1GiB", max_pending_bytes="8 MiB", trim_every="64MB")
+    assert (spill.max_disk_bytes, spill.max_pending_bytes) == (1 << 30, 8 << 20)
+    assert spill.trim_every == 64_000_000
 
 
 def test_disk_spill_writes_and_reads_every_byte_through_short_calls(

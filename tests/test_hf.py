@@ -349,7 +349,7 @@ def test_callback_log_stats_false_logs_nothing(tmp_path: Path) -> None:
     ("kwargs", "error", "match"),
     [
         ({"log_stats": "yes"}, TypeError, "log_stats must be True or False"),
-        ({"min_bytes": -1}, TypeError, "min_bytes must be a non-negative int"),
+        ({"min_bytes": -1}, ValueError, "min_bytes must be at least 0 bytes"),
         ({"policy": "nope"}, ValueError, "unknown policy name 'nope'"),
     ],
 )

@@ -388,7 +388,7 @@ def test_callback_pickles_after_a_fit_for_spawned_processes() -> None:
     ("kwargs", "error", "match"),
     [
         ({"policy": "zip"}, ValueError, "unknown policy name 'zip'"),
-        ({"min_bytes": -1}, TypeError, "min_bytes must be a non-negative int"),
+        ({"min_bytes": -1}, ValueError, "min_bytes must be at least 0 bytes"),
         ({"log_stats": "yes"}, TypeError, "log_stats must be True or False"),
         ({"stash_validation": 1}, TypeError, "stash_validation must be True or False"),
         ({"profile": {}}, TypeError, "profile must be a tensorstash.Profile"),

@@ -89,7 +89,7 @@ def test_session_packs_a_storage_saved_twice_once() -> None:
     [
         ({"policy": "zip"}, ValueError, "unknown policy name 'zip'"),
         ({"policy": 3}, TypeError, "policy must be a policy object"),
-        ({"policy": "keep", "min_bytes": -1}, TypeError, "min_bytes must be a non-negative int"),
+        ({"policy": "keep", "min_bytes": -1}, ValueError, "min_bytes must be at least 0 bytes"),
         ({"policy": "keep", "min_bytes": 1.5}, TypeError, "min_bytes"),
         ({"policy": "keep", "workers": 0}, TypeError, "workers must be a positive int"),
     ],

@@ -111,3 +111,22 @@ def _share(
 def _spellings(share: bool) -> str:
     sizes = "bytes (an int) or a size such as '512MiB' or '2GB'"
     return f"{sizes}, or a share such as 0.5 or '50%'" if share else sizes
+
+
+def size_fields(owner: object, api: str, *names: str, optional: tuple[str, ...] = ()) -> None:
+    """Read each field ``names`` of the frozen dataclass ``owner`` as a size (no share),
+    in place: ``DiskSpill(max_disk_bytes="1GiB")`` holds 1073741824 (rule 3). Fields in
+    ``optional`` may be None."""
+    for name in names:
+        value = getattr(owner, name)
+        if value is None and name in optional:
+            continue
+        try:
+            size = parse_size(value, api, name, share=False)
+        except TypeError:
+            none = "None, " if name in optional else ""
+            raise TypeError(
+                f"{api}: {name} must be {none}bytes (an int) or a size such as '512MiB'; "
+                f"got {value!r}"
+            ) from None
+        object.__setattr__(owner, name, int(size))

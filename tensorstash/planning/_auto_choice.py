@@ -7,6 +7,7 @@ core/_fastpath.py).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,6 +63,8 @@ class Chooser:
         self.device_type = "cpu"
         self.limit: int | None = None  # in bytes, once resolved (NOTE [ Memory limit ])
         self.user_budget: int | None = None  # device_budget in bytes, once resolved
+        # Told the device where a limit's budget was resolved without a profile.
+        self.resolved: Callable[[torch.device], None] | None = None
 
     def new_step(self, learning: bool) -> None:
         """A step begins: whether it is a profile's first, and nothing posted carries over."""
@@ -92,7 +95,12 @@ class Chooser:
         if limit is not None:
             self.limit = _limit.limit_bytes(limit, device)
             if room is None:  # no profile: NOTE [ Memory limit ] rule 4, every step
-                room = self.limit - _limit.base_now(device)
+                base = _limit.base_now(device)
+                room = self.limit - base
+                if room <= 0:
+                    _limit.refuse(self.limit, base, device)
+                if self.resolved is not None:
+                    self.resolved(device)
             first = _limit.first_budget(room, None)
             budget = first if budget is None else min(budget, first)
         elif budget is None:

@@ -5,6 +5,7 @@ and setting (``Profile.plan_for``).
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -58,7 +59,9 @@ def plan_within(
     """The plan for a step of ``root`` whose predicted real peak fits ``room`` (NOTE
     [ Memory limit ] rule 3), its budget at most ``cap`` where given; made again only once
     the measurements or the room moved."""
-    key, make = planner(auto, profile, device_type, root)
+    # NOTE [ Memory limit ] rule 7: no plan recomputes before torch._dynamo is imported.
+    recompute = auto.recompute and "torch._dynamo" in sys.modules
+    key, make = planner(auto, profile, device_type, root, recompute=recompute)
 
     def weighed(budget: int) -> tuple[Plan, list[Plan]] | None:
         seen: list[Plan] = []
@@ -89,22 +92,25 @@ class _Ran(NamedTuple):
 
 
 def planner(
-    auto: Any, profile: Any, device_type: str, root: nn.Module
+    auto: Any, profile: Any, device_type: str, root: nn.Module, *, recompute: bool | None = None
 ) -> tuple[tuple[Any, ...], Callable[..., Plan | None]]:
-    """The key of ``auto``'s options for plans of ``root``, and what makes one for a budget."""
+    """The key of ``auto``'s options for plans of ``root``, and what makes one for a budget
+    (``recompute``: whether its plans may recompute, where not ``auto``'s)."""
     device = "cuda" if device_type == "cuda" else "cpu"
     trims = trims_memory(device, auto.trim_every)
-    key = (device, auto.recompute, auto.never_recompute, auto.always_recompute, trims)
+    if recompute is None:
+        recompute = auto.recompute
+    key = (device, recompute, auto.never_recompute, auto.always_recompute, trims)
 
     def make(budget: int, seen: list[Plan] | None = None) -> Plan | None:
         return make_plan(
             profile,
             budget,
             device=device,
-            recompute=auto.recompute,
+            recompute=recompute,
             never=lambda path: named(profile.module(path), path, auto.never_recompute),
-            always=paths(profile, auto.always_recompute),
-            rates=rates(auto, profile, budget, device_type, root),
+            always=paths(profile, auto.always_recompute) if recompute else [],
+            rates=rates(auto, profile, budget, device_type, root, recompute=recompute),
             trims=trims,  # as the step's watch does
             seen=seen,
         )
@@ -112,10 +118,19 @@ def planner(
     return key, make
 
 
-def rates(auto: Any, profile: Any, budget: int, device_type: str, root: nn.Module) -> Rates:
+def rates(
+    auto: Any,
+    profile: Any,
+    budget: int,
+    device_type: str,
+    root: nn.Module,
+    *,
+    recompute: bool | None = None,
+) -> Rates:
     """The speeds of moving bytes, probed now (see _rates.py)."""
     device = next((p.device for p in root.parameters()), torch.device(device_type))
-    region_s, saved_s = region_cost(auto, profile, budget, device)
+    may = auto.recompute if recompute is None else recompute
+    region_s, saved_s = region_cost(auto, profile, budget, device) if may else (0.0, 0.0)
     if profile.clock is not time.perf_counter:
         # A test's ticks: the probes' seconds would not be the clock's, and what they read
         # would change the plan from one run to the next. The defaults stand.

@@ -45,6 +45,7 @@ class _AutoState:
         self.profile = ctx.profile  # the context holds this state: no reference back to it
         self.stats = ctx.stats
         self.choice = Chooser(auto, ctx)
+        self.choice.resolved = self._limited_alone
         self.choose = self.choice.choose  # bound once: the session calls it per tensor
         self.planned_for = False  # whether this step's plan was made
         self.recomputed: list[tuple[str, nn.Module]] = []
@@ -86,6 +87,12 @@ class _AutoState:
                 self.root_hook = root.register_forward_pre_hook(
                     self._model_called, with_kwargs=True
                 )
+
+    def _limited_alone(self, device: torch.device) -> None:
+        """A session under a limit, without a profile, resolved its budget on ``device``:
+        it returns the memory it moves out (NOTE [ Memory limit ] rule 4)."""
+        if self.profile is None and self.watch is None:
+            self.watch = watch_first(self.auto, self.stats, device.type)
 
     def woke(self) -> None:
         """The session that opened quiet pushed its hooks before the model's call: plan

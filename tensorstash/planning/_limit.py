@@ -45,6 +45,14 @@
 6. Calibration: a measured step whose real peak went past the room it was
    planned for (by more than the margin) widens the margin of later plans by
    what it went over, so that one plan predicted short is not made again.
+7. Under a limit, no plan recomputes before ``torch._dynamo`` is imported:
+   PyTorch's non-reentrant checkpointing imports it at its first call, and
+   what that import holds (about 80 MiB on the CPU) stays in the process
+   for good, more than most plans that recompute save, and it would land in
+   the step that first recomputes, past the room that step was planned for.
+   Where it is imported already (a Hugging Face model imports it, as does
+   ``torch.compile`` or the user's own checkpointing), plans recompute as
+   they would without a limit; ``always_recompute`` waits for it too.
 
 The figures behind these choices: docs/figures/auto.md ("A memory limit").
 """

@@ -118,6 +118,7 @@ from torch import Tensor
 from tensorstash.core._fastpath import compiled
 from tensorstash.core._names import NAMES
 from tensorstash.core._names import resolve as _resolve
+from tensorstash.core._sizes import parse_size
 from tensorstash.core.policy import Context, Keep, Policy
 from tensorstash.core.stats import StashStats
 from tensorstash.session import _modules
@@ -531,10 +532,7 @@ def stash(
         ``torch.func.grad``, ``vjp``, ``jacrev`` and ``hessian`` refuse to run
         while saved-tensor hooks are pushed: call them inside :func:`pause`.
     """
-    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
-        raise TypeError(
-            f"tensorstash.stash: min_bytes must be a non-negative int (bytes); got {min_bytes!r}"
-        )
+    min_bytes = int(parse_size(min_bytes, "tensorstash.stash", "min_bytes", share=False))
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise TypeError(f"tensorstash.stash: workers must be a positive int; got {workers!r}")
     if not isinstance(record, bool):

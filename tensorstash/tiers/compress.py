@@ -36,6 +36,7 @@ from torch import Tensor
 
 from tensorstash.core._layout import Layout, unfilled
 from tensorstash.core._reasons import Reason, Why, reason
+from tensorstash.core._sizes import size_fields
 from tensorstash.core.policy import (
     Context,
     HostBytes,
@@ -186,12 +187,12 @@ class Lz4:
     stage_rank: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
-        for name, low in (("acceleration", 1), ("max_pending_bytes", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"tensorstash.Lz4: {name} must be an int; got {value!r}")
-            if value < low:
-                raise ValueError(f"tensorstash.Lz4: {name} must be >= {low}; got {value}")
+        size_fields(self, "tensorstash.Lz4", "max_pending_bytes")
+        value = self.acceleration
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"tensorstash.Lz4: acceleration must be an int; got {value!r}")
+        if value < 1:
+            raise ValueError(f"tensorstash.Lz4: acceleration must be >= 1; got {value}")
         if self.acceleration > 65537:
             raise ValueError(
                 "tensorstash.Lz4: acceleration must be between 1 and 65537; "

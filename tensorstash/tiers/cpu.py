@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from tensorstash.core._layout import Layout, describe, rebuild, unfilled
+from tensorstash.core._sizes import size_fields
 from tensorstash.core.policy import Context, Held, HostBytes, Packed, bug, finalize, nbytes_of
 
 
@@ -242,20 +243,7 @@ class CpuOffload:
             raise TypeError(
                 f"tensorstash.CpuOffload: pin_memory must be True or False; got {self.pin_memory!r}"
             )
-        hints = {
-            "max_cached_bytes": "0 disables the pinned-buffer cache",
-            "max_inflight_bytes": "0 waits for every copy, as save_on_cpu does",
-        }
-        for name, hint in hints.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(
-                    f"tensorstash.CpuOffload: {name} must be an int number of bytes; got {value!r}"
-                )
-            if value < 0:
-                raise ValueError(
-                    f"tensorstash.CpuOffload: {name} must be >= 0 ({hint}); got {value}"
-                )
+        size_fields(self, "tensorstash.CpuOffload", "max_cached_bytes", "max_inflight_bytes")
 
     def pack(self, value: Tensor | Packed, ctx: Context) -> Packed:
         tensor = value.tensor if isinstance(value, Held) else value

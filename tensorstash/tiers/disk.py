@@ -129,6 +129,7 @@ from torch import Tensor
 
 from tensorstash.core._layout import Layout
 from tensorstash.core._reasons import Reason, Why, reason
+from tensorstash.core._sizes import size_fields
 from tensorstash.core.policy import (
     Context,
     Held,
@@ -274,9 +275,14 @@ class DiskSpill:
 
     def __post_init__(self) -> None:
         check_directory(self.directory, "tensorstash.DiskSpill")
-        _check_size("max_pending_bytes", self.max_pending_bytes, optional=False)
-        _check_size("max_disk_bytes", self.max_disk_bytes, optional=True)
-        _check_size("trim_every", self.trim_every, optional=True)
+        size_fields(
+            self,
+            "tensorstash.DiskSpill",
+            "max_pending_bytes",
+            "max_disk_bytes",
+            "trim_every",
+            optional=("max_disk_bytes", "trim_every"),
+        )
         if self.background is not None and not isinstance(self.background, bool):
             raise TypeError(
                 "tensorstash.DiskSpill: background must be True, False or None (decide by the "
@@ -376,16 +382,6 @@ class DiskSpill:
             packed.prefetched = ctx.pool().submit(
                 without_frames, _read_ahead, extent, written, packed.layout, returning
             )
-
-
-def _check_size(name: str, value: object, *, optional: bool) -> None:
-    if value is None and optional:
-        return
-    wanted = "None or an int >= 0" if optional else "an int >= 0"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"tensorstash.DiskSpill: {name} must be {wanted}; got {value!r}")
-    if value < 0:
-        raise ValueError(f"tensorstash.DiskSpill: {name} must be {wanted}; got {value}")
 
 
 def _spillable(value: Tensor | Packed) -> tuple[Any, Holds, Tier]:
