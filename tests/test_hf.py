@@ -417,3 +417,127 @@ def test_callback_auto_plans_a_compiled_model_through_the_compiler(tmp_path: Pat
     assert min(plans[0].trials) < 1.0  # the partitioner was asked for less
     for name, want in expected.items():
         assert torch.allclose(want, trainer.model.state_dict()[name], rtol=1e-4, atol=1e-6), name
+
+
+# -- the plan and the profile across checkpoints (rules 7 and 8 of NOTE [ Trainer ]) ----------
+
+
+def test_callback_logs_the_plan_when_it_changes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    callback = StashTrainerCallback(ts.Auto(device_budget="64KiB"), min_bytes=0)
+    with caplog.at_level("INFO", logger="tensorstash"):
+        train(tmp_path / "run", [callback], max_steps=5)
+    logged = [r for r in caplog.records if "the plan from step" in r.getMessage()]
+    assert callback.plans.changes, "no plan was followed"
+    assert len(logged) == len(callback.plans.changes)
+    step, table = callback.plans.changes[0]
+    assert step >= 2 and "budget 64.0 KiB" in table  # the first step measures
+    assert table in logged[0].getMessage()
+    assert callback.plans.plan is not None
+
+
+def test_callback_saves_the_profile_and_a_resumed_run_plans_from_it(tmp_path: Path) -> None:
+    output = tmp_path / "run"
+    first = StashTrainerCallback(ts.Auto(device_budget="64KiB"), min_bytes=0)
+    train(output, [first], max_steps=4, save_strategy="steps", save_steps=2)
+    for step in (2, 4):
+        assert (output / f"checkpoint-{step}" / "tensorstash_profile.json").exists()
+    second = StashTrainerCallback(ts.Auto(device_budget="64KiB"), min_bytes=0)
+    trainer = transformers.Trainer(
+        model=tiny_gpt2(),
+        args=transformers.TrainingArguments(
+            output_dir=str(output),
+            max_steps=6,
+            per_device_train_batch_size=4,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            seed=0,
+            disable_tqdm=True,
+        ),
+        train_dataset=Tokens(),
+        callbacks=[second],
+    )
+    trainer.train(resume_from_checkpoint=str(output / "checkpoint-4"))
+    assert second.profile is not None and second.profile.steps > 4  # it went on from the first
+    # The first step after the resume planned (a fresh profile's first step measures).
+    assert second.plans.changes and second.plans.changes[0][0] == 5
+
+
+def test_callback_load_profile_names_a_missing_file(tmp_path: Path) -> None:
+    callback = StashTrainerCallback("auto")
+    with pytest.raises(FileNotFoundError, match="no tensorstash profile at"):
+        callback.load_profile(str(tmp_path))
+    assert callback.load_profile(str(tmp_path), missing_ok=True) is False
+    with pytest.raises(ValueError, match="has no profile to load into"):
+        StashTrainerCallback("lz4").load_profile(str(tmp_path))
+
+
+class WideBlocks(nn.Module):
+    """Six residual blocks on a 4096 x 512 batch (8 MiB activations); returns its loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 512)) for _ in range(6)
+        )
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        for block in self.blocks:
+            x = x + block(x)
+        return {"loss": x.square().mean()}
+
+
+class Rows(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self) -> None:
+        self.x = torch.randn(4096, 512, generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        return {"x": self.x[index]}
+
+
+def _train_peak(output: Path, callbacks: list[Any], steps: int) -> tuple[int, int]:
+    """The trimmed resident set before training and the most it held in it."""
+    from tensorstash.memory._memory import PeakRss, return_free_memory
+
+    trainer = transformers.Trainer(
+        model=WideBlocks(),
+        args=transformers.TrainingArguments(
+            output_dir=str(output),
+            max_steps=steps,
+            per_device_train_batch_size=4096,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            seed=0,
+            disable_tqdm=True,
+            optim="adamw_torch",
+            dataloader_num_workers=0,
+        ),
+        train_dataset=Rows(),
+        callbacks=callbacks,
+    )
+    return_free_memory()
+    with PeakRss() as meter:
+        trainer.train()
+    return meter.start_bytes, meter.peak_bytes
+
+
+@pytest.mark.slow
+def test_callback_keeps_every_step_under_a_limit_with_adamw(tmp_path: Path) -> None:
+    # AdamW's state comes at its first step(): the plans after see it (NOTE [ Memory
+    # limit ] rule 2), and no step of the run goes over the limit.
+    steps, mib = 6, 1 << 20
+    _train_peak(tmp_path / "warm", [], steps)  # what a first run imports is no step's
+    base, peak = _train_peak(tmp_path / "plain", [], steps)
+    limit = peak - 80 * mib  # 80 MiB of its activations must go
+    callback = StashTrainerCallback(ts.Auto(limit=limit))
+    start, held = _train_peak(tmp_path / "limited", [callback], steps)
+    assert start <= base + 16 * mib  # the two runs began alike
+    assert held <= limit + max(2 * mib, (limit - start) // 25), (held - limit) / mib
+    assert any("disk" in t or "recompute" in t for _, t in callback.plans.changes)

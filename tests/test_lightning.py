@@ -366,6 +366,19 @@ def test_callback_profile_round_trips_through_a_checkpoint(tmp_path: Path) -> No
     assert resumed_step.recomputed or resumed_step.moved, "the resumed step did not plan"
 
 
+def test_callback_logs_the_plan_when_it_changes(caplog: pytest.LogCaptureFixture) -> None:
+    # Rule 7 of NOTE [ Lightning ]: a new plan's table reaches the "tensorstash" logger.
+    callback = StashCallback(ts.Auto(device_budget=20_000), min_bytes=0)
+    with caplog.at_level("INFO", logger="tensorstash"):
+        fit(Automatic(), [callback], max_steps=STEPS + 2)
+    logged = [r for r in caplog.records if "the plan from step" in r.getMessage()]
+    assert callback.plans.changes, "no plan was followed"
+    assert len(logged) == len(callback.plans.changes)
+    step, table = callback.plans.changes[0]
+    assert step >= 1 and table.startswith("budget 19.5 KiB")
+    assert table in logged[0].getMessage()
+
+
 def test_callback_warns_when_a_checkpoint_profile_has_nowhere_to_go() -> None:
     state = StashCallback("auto").state_dict()
     with pytest.warns(UserWarning, match="has none"):
@@ -517,3 +530,57 @@ def test_callback_auto_plans_a_compiled_module_through_the_compiler() -> None:
     counts = callback.stats.to_dict()["tiers"] if callback.stats is not None else {}
     assert not any(tier["tensors"] for tier in counts.values()), "an eager hook saw a tensor"
     assert_weights_equal(expected.net, actual.net)
+
+
+# -- a memory limit ---------------------------------------------------------------------------
+
+
+class Wide(lp.LightningModule):
+    """Six residual blocks on a 4096 x 512 batch (8 MiB activations), trained with AdamW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 512)) for _ in range(6)
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        for block in self.blocks:
+            x = x + block(x)
+        return x.square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def _wide_loader() -> torch.utils.data.DataLoader[Any]:
+    data = torch.randn(4096, 512, generator=torch.Generator().manual_seed(1))
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=4096)
+
+
+def _fit_peak(callbacks: list[Any], steps: int) -> tuple[int, int]:
+    """The trimmed resident set before a fit and the most it held in it."""
+    from tensorstash.memory._memory import PeakRss, return_free_memory
+
+    return_free_memory()
+    with PeakRss() as meter:
+        trainer(callbacks, max_steps=steps).fit(Wide(), _wide_loader())
+    return meter.start_bytes, meter.peak_bytes
+
+
+@pytest.mark.slow
+def test_callback_keeps_every_step_under_a_limit_with_adamw() -> None:
+    # The optimizer's state comes at its first step(): the plans after see it (NOTE
+    # [ Memory limit ] rule 2), and no step of the fit goes over the limit.
+    steps = 6
+    _fit_peak([], steps)  # what a first fit imports and sets up is no step's
+    base, peak = _fit_peak([], steps)
+    mib = 1 << 20
+    limit = base + (peak - base) - 80 * mib  # 80 MiB of its activations must go
+    callback = StashCallback(ts.Auto(limit=limit))
+    start, held = _fit_peak([callback], steps)
+    assert start <= base + 16 * mib  # the two fits began alike
+    assert held <= limit + max(2 * mib, (limit - start) // 25), (held - limit) / mib
+    assert any("moving" in t or "disk" in t or "recompute" in t for _, t in callback.plans.changes)

@@ -38,10 +38,23 @@
    model with its hooks; dynamo cannot trace pushing saved-tensor hooks, so
    the two hooks are excluded from compilation and run eagerly, outside the
    compiled graphs.
+7. The plan. Each step's plan (``Auto`` with its profile) is kept in
+   :attr:`StashTrainerCallback.plans`; a plan that differs from the last one
+   (what it recomputes, where it moves a call site, the limit or budget it
+   holds) is logged with its table to the ``tensorstash`` logger, as a
+   warning where it does not hold what it was made for.
+8. Checkpoints. ``on_save`` writes the profile beside the Trainer's own state,
+   in the checkpoint it just saved (``checkpoint-<step>/tensorstash_profile.json``,
+   one file per process: ``tensorstash_profile-<rank>.json`` past the first);
+   ``on_train_begin`` of a run resumed from a checkpoint under ``output_dir``
+   loads it back, so the resumed run plans from what the first one measured.
+   A checkpoint saved elsewhere: :meth:`StashTrainerCallback.load_profile`.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -50,12 +63,14 @@ from torch import nn
 
 from tensorstash.core.policy import Policy
 from tensorstash.core.stats import StashStats
+from tensorstash.integrations._plans import PlanLog
 from tensorstash.planning.auto import Auto
 from tensorstash.planning.profile import Profile
 from tensorstash.session.stash import DEFAULT_MIN_BYTES, Session, resolve, stash
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as error:
     raise ImportError(
         "tensorstash.hf needs Hugging Face transformers (and accelerate, which its Trainer "
@@ -68,6 +83,8 @@ if TYPE_CHECKING:
 
 PREFIX = "tensorstash/"
 """What the keys this callback adds to the Trainer's logs start with."""
+PROFILE_FILE = "tensorstash_profile.json"
+"""The profile's file in a checkpoint (rule 8 of NOTE [ Trainer ])."""
 
 
 class StashTrainerCallback(TrainerCallback):
@@ -94,6 +111,8 @@ class StashTrainerCallback(TrainerCallback):
         stats: the last optimizer step's stats, all its micro-batches together
             (``None`` before the first step ends).
         forwards: how many training forwards ran inside a stash.
+        plans: the plans the steps followed (``plans.plan``: the last;
+            ``plans.changes``: each new one with its step and table).
 
     Raises:
         TypeError, ValueError: a bad policy or argument, with what to pass instead.
@@ -147,6 +166,8 @@ class StashTrainerCallback(TrainerCallback):
         self._step: list[StashStats] = []
         self._interval = StashStats()
         self._interval_steps = 0
+        self.plans = PlanLog("tensorstash.hf.StashTrainerCallback")
+        self._plan: Any = None
 
     def __repr__(self) -> str:
         return f"StashTrainerCallback({self.policy!r}, min_bytes={self.min_bytes})"
@@ -217,6 +238,7 @@ class StashTrainerCallback(TrainerCallback):
         session.__exit__(None, None, None)
         with self._lock:
             self._step.append(session.stats)
+            self._plan = session.plan
 
     def _remove_hooks(self) -> None:
         for handle in self._handles:
@@ -249,6 +271,49 @@ class StashTrainerCallback(TrainerCallback):
             model.register_forward_pre_hook(self._forward_begins, prepend=True),
             model.register_forward_hook(self._forward_ends, always_call=True),
         ]
+        if state.global_step > 0 and self.profile is not None:  # resumed (rule 8)
+            self.load_profile(_checkpoint(args, state), args.process_index, missing_ok=True)
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Write the profile into the checkpoint just saved (rule 8 of NOTE [ Trainer ])."""
+        if self.profile is None:
+            return
+        checkpoint = _checkpoint(args, state)
+        if not os.path.isdir(checkpoint):
+            return  # the Trainer saved nothing here (save_strategy, a hyperparameter search)
+        path = os.path.join(checkpoint, _profile_file(args.process_index))
+        with open(path + ".tmp", "w") as file:
+            json.dump(self.profile.state_dict(), file)
+        os.replace(path + ".tmp", path)
+
+    def load_profile(self, checkpoint: str, rank: int = 0, *, missing_ok: bool = False) -> bool:
+        """Load the profile ``on_save`` wrote into ``checkpoint`` (a directory), for the
+        process of ``rank``; False where there is none and ``missing_ok``.
+
+        Raises:
+            FileNotFoundError: no profile there, and not ``missing_ok``.
+            ValueError: the callback has no profile to load it into, or the file is not
+                a profile's state.
+        """
+        api = "tensorstash.hf.StashTrainerCallback.load_profile"
+        if self.profile is None:
+            raise ValueError(
+                f"{api}: this callback has no profile to load into; pass "
+                "profile=tensorstash.Profile() (or policy='auto')"
+            )
+        path = os.path.join(checkpoint, _profile_file(rank))
+        if not os.path.exists(path):
+            if missing_ok:
+                return False
+            raise FileNotFoundError(
+                f"{api}: no tensorstash profile at {path!r}; the callback writes one into "
+                "each checkpoint it sees saved (on_save)"
+            )
+        with open(path) as file:
+            self.profile.load_state_dict(json.load(file))
+        return True
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -268,6 +333,8 @@ class StashTrainerCallback(TrainerCallback):
         self._armed = False
         with self._lock:
             parts, self._step = self._step, []
+            plan, self._plan = self._plan, None
+        self.plans.saw(plan, state.global_step)
         if parts:
             self.stats = parts[0] if len(parts) == 1 else StashStats.combined(parts)
             if self.log_stats:
@@ -297,3 +364,12 @@ class StashTrainerCallback(TrainerCallback):
         last = state.log_history[-1] if state.log_history else None
         if last is not None and last.get("step") == state.global_step and "loss" in last:
             last.update(values)
+
+
+def _profile_file(rank: int) -> str:
+    return PROFILE_FILE if rank == 0 else PROFILE_FILE.replace(".json", f"-{rank}.json")
+
+
+def _checkpoint(args: TrainingArguments, state: TrainerState) -> str:
+    """The directory the Trainer saves the checkpoint of ``state``'s step into."""
+    return os.path.join(args.output_dir or ".", f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")

@@ -29,7 +29,12 @@
    the callback for ``policy="auto"``); ``state_dict`` writes its last step as
    plain lists and numbers, so it round-trips through a checkpoint, loaded
    with ``weights_only=True`` or not.
-7. ``lightning.pytorch`` and ``pytorch_lightning`` are separate packages whose
+7. The plan. Each batch's plan (``Auto`` with its profile) is kept in
+   ``callback.plans``; a plan that differs from the last one (what it
+   recomputes, where it moves a call site, the limit or budget it holds) is
+   logged with its table to the ``tensorstash`` logger, as a warning where it
+   does not hold what it was made for.
+8. ``lightning.pytorch`` and ``pytorch_lightning`` are separate packages whose
    Trainers accept only their own ``Callback``. :class:`StashCallback` is built
    on ``lightning.pytorch`` when it is installed, otherwise on
    ``pytorch_lightning``; ``PLStashCallback`` is always built on
@@ -45,6 +50,7 @@ from typing import Any
 
 from tensorstash.core.policy import Policy
 from tensorstash.core.stats import StashStats
+from tensorstash.integrations._plans import PlanLog
 from tensorstash.planning.auto import Auto
 from tensorstash.planning.profile import Profile
 from tensorstash.session.stash import DEFAULT_MIN_BYTES, Session, resolve, stash
@@ -102,6 +108,7 @@ class _StashCallbackBase:
         self._train_sessions: list[Session] = []
         self._validation_sessions: list[Session] = []
         self._restore: list[Callable[[], None]] = []
+        self.plans = PlanLog(f"tensorstash.lightning.{type(self).__name__}")
 
     def __repr__(self) -> str:
         return (
@@ -184,6 +191,7 @@ class _StashCallbackBase:
     ) -> None:
         if not self._train_sessions:
             return
+        self.plans.saw(self._train_sessions[-1].plan, trainer.global_step)
         self.stats = _merged([s.stats for s in self._train_sessions])
         self._train_sessions.clear()
         if self.log_stats:

@@ -555,7 +555,7 @@ def _held_besides(
     docs/figures/auto.md). None where no step took the real peak."""
     moved = frozenset("disk" if t == "disk" else "host" for t in tiers.values() if t != "keep")
     kinds: dict[tuple[object, ...], list[int]] = {}
-    for step in profile.peaks:
+    for step in profile.peaks or profile.peak_steps():
         if step.peak_bytes is not None:
             besides = step.peak_bytes - at_peak(step.recomputed, step.held_bytes)
             kinds.setdefault(plan_of(step), []).append(besides)
