@@ -4,7 +4,7 @@ Example:
     $ tensorstash bench --model small --policies none,lz4,auto:50% --steps 5 --json out.json
     $ tensorstash bench --sweep --model tiny --plot sweep.png
     $ tensorstash bench --plot bench.png --model-script my_model.py:make
-    $ tensorstash plan --model-script my_model.py:make --budget 50%
+    $ tensorstash plan --model-script my_model.py:make --limit 50%
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _policy_list(text: str) -> list[str]:
     if not names:
         raise argparse.ArgumentTypeError(
             f"no policy in {text!r}; valid policies are "
-            f"{', '.join((*bench.ALL_POLICIES, *bench.OPTIONAL_PEERS))}, auto:<budget>, "
+            f"{', '.join((*bench.ALL_POLICIES, *bench.OPTIONAL_PEERS))}, auto:<limit>, "
             "hf-offload and hf-every:<k>"
         )
     try:
@@ -126,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_policy_list,
         default=None,
         help=f"comma-separated, from: {_escaped(bench.ALL_POLICIES)}, "
-        f"{_escaped(bench.OPTIONAL_PEERS)} (GPU), auto:<budget>, the budget in bytes "
-        "(auto:8MiB) or a share of the model's activation bytes (auto:50%%), and on a "
+        f"{_escaped(bench.OPTIONAL_PEERS)} (GPU), auto:<limit>, Auto under a memory limit "
+        "at each step's base plus a share of no stash's real peak growth (auto:50%%, "
+        "auto:0.5) or a size (auto:64MiB), and on a "
         "Hugging Face model its own checkpointing: hf-every:<k> (one decoder layer in k) "
         "and hf-offload (every layer, their inputs in pinned host memory; GPU) (default: "
         f"{_escaped(bench.DEFAULT_POLICIES)}, and {_escaped(bench.HF_PEERS)} on an HF "
@@ -167,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--twins",
         action="store_true",
-        help="run each auto:<budget> beside a twin that never plans (a fresh Profile every "
+        help="run each auto:<limit> beside a twin that never plans (a fresh Profile every "
         "step), to measure what its plan changes",
     )
     run.add_argument(
@@ -232,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_plan(commands: Any) -> None:
     plan = commands.add_parser(
         "plan",
-        help="show Auto's plan for a model and a budget, and its predictions",
+        help="show Auto's plan for a model under a memory limit, and its predictions",
         description=(
             "Train a model a few steps under Auto with a Profile (the first step measures, "
             "the next follow the plan) and print the plan of the last step: the modules it "
@@ -248,9 +249,13 @@ def _add_plan(commands: Any) -> None:
         help="your model, as for tensorstash bench --model-script",
     )
     plan.add_argument(
+        "--limit",
         "--budget",
+        dest="limit",
         required=True,
-        help="bytes or a size (8MiB, 2GiB), or a share of the activation bytes (50%%)",
+        help="the memory each step may add to its base: a share of no stash's real peak "
+        "growth (50%%, 0.5) or a size (64MiB), as the bench's auto:<limit> "
+        "(--budget: the same, its older name)",
     )
     plan.add_argument("--steps", type=_positive_int, default=3, help="steps to run (default 3)")
     plan.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
@@ -268,7 +273,7 @@ def _plan(args: argparse.Namespace) -> int:
         workload = _load_workload(args)
         run = make_plan_run(
             workload,
-            args.budget,
+            args.limit,
             steps=args.steps,
             device=bench.resolve_device(args.device),
             dtype=bench.resolve_dtype(args.dtype),

@@ -156,6 +156,7 @@ class StepRunner:
         self.reference: list[Tensor | None] = []
         self.profiles: dict[str, ts.Profile] = {}
         self.activation_bytes: int | None = None
+        self.plain_growth: int | None = None
         self.session: Any = None  # the stash session of the last step (None without one)
 
     def step(self, name: str, *, timeline: bool = False) -> StepResult:
@@ -181,7 +182,7 @@ class StepRunner:
         graphs = graphs_compiled()
         with meter(self.device, reset=True) as measured, trace or contextlib.nullcontext():
             start = time.perf_counter()
-            with self.variant(name) as session:
+            with self.variant(name, base=measured.start_bytes) as session:
                 if trace is not None:
                     trace.session = session
                 with self.autocast():
@@ -238,14 +239,20 @@ class StepRunner:
         """
         self.step(BASELINE)
         self.reference = [_grad_copy(p) for p in self.model.parameters()]
+        # The base of a limit given as a share: what a plain step grows by, its first
+        # run's one-time work left out (the process's first step imports and sets up).
+        self.plain_growth = self.step(BASELINE).peak_bytes
         stats = self.step("keep").stats
         if stats is None:
             raise RuntimeError("tensorstash bench: a keep step had no session (a bug)")
         self.activation_bytes = int(stats["tiers"]["kept"]["peak_bytes"])
 
-    def variant(self, name: str) -> contextlib.AbstractContextManager[Any]:
+    def variant(
+        self, name: str, *, base: int | None = None
+    ) -> contextlib.AbstractContextManager[Any]:
         """The context variant ``name``'s step runs in, around :meth:`model_for`'s model:
-        its session, or none ("checkpoint", HF's peers: that model checkpoints already)."""
+        its session, or none ("checkpoint", HF's peers: that model checkpoints already);
+        ``base``: what the device holds as the step begins (an ``auto:<limit>``'s base)."""
         if runs_on_copy(name):
             return contextlib.nullcontext()
         return variant_context(
@@ -254,6 +261,8 @@ class StepRunner:
             self.device,
             self.profiles,
             activation_bytes=self.activation_bytes,
+            plain_growth=self.plain_growth,
+            base=base,
         )
 
     @contextlib.contextmanager

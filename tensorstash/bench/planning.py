@@ -1,8 +1,10 @@
-"""``tensorstash plan``: Auto's plan for a model and a budget, without the whole bench.
+"""``tensorstash plan``: Auto's plan for a model and a memory limit, without the whole bench.
 
-It trains the model a few steps under ``Auto`` with a ``Profile`` (the first
-step measures, the next follow the plan), then shows the plan the last step
-followed with its predictions, beside what that step measured.
+It trains the model a few steps under ``Auto(limit=...)`` with a ``Profile`` (the
+first step measures under a budget that surely fits, the next follow the plan), then
+shows the plan the last step followed with its predictions, beside what that step
+measured. The limit is spelled as the bench's ``auto:<limit>``: a share of no stash's
+real peak growth (``50%``, ``0.5``) or a size (``64MiB``) over each step's base.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 import torch
 
 from tensorstash.bench.measure import StepResult, StepRunner
-from tensorstash.bench.variants import AUTO_PREFIX, budget_bytes
+from tensorstash.bench.variants import AUTO_PREFIX, limit_bytes
 from tensorstash.bench.workloads import Workload
 from tensorstash.core.stats import human_bytes
 from tensorstash.planning.plan import Plan
@@ -24,7 +26,7 @@ class PlanRun:
     """A plan and the steps that made and followed it.
 
     Attributes:
-        budget: the budget in bytes.
+        budget: what the limit lets a step add to its base, in bytes.
         activation_bytes: the eligible bytes one step saves.
         plan: the plan of the last step (None if no step planned).
         steps: what each step measured, the first (measuring) one first.
@@ -39,8 +41,8 @@ class PlanRun:
         """The plan's table, then the last step's measurement beside the prediction."""
         if self.plan is None:
             return (
-                f"budget {human_bytes(self.budget)} of {human_bytes(self.activation_bytes)} "
-                "activation bytes: no plan yet, the first step measures (run --steps 2 or more)"
+                f"limit +{human_bytes(self.budget)} over the step's base: no plan yet, the "
+                "first step measures (run --steps 2 or more)"
             )
         lines = [self.plan.table()]
         last = self.steps[-1]
@@ -60,7 +62,7 @@ class PlanRun:
     def to_dict(self) -> dict[str, Any]:
         plan = self.plan
         return {
-            "budget_bytes": self.budget,
+            "limit_bytes": self.budget,
             "activation_bytes": self.activation_bytes,
             "recompute": list(plan.recompute) if plan else None,
             "tiers": {f"{m}:{op}#{n}": t for (m, op, n), t in plan.tiers.items()} if plan else None,
@@ -83,21 +85,22 @@ def make_plan_run(
     dtype: torch.dtype,
     seed: int,
 ) -> PlanRun:
-    """Train ``workload`` for ``steps`` steps under ``Auto(budget)`` with a Profile.
+    """Train ``workload`` for ``steps`` steps under ``Auto(limit=...)`` with a Profile.
 
     Args:
-        budget: bytes or a size (``8MiB``), or a share of the activation bytes (``50%``).
+        budget: the limit over each step's base: a share of no stash's real peak
+            growth (``50%``, ``0.5``) or a size (``64MiB``), as the bench's ``auto:<limit>``.
 
     Raises:
-        ValueError: a budget that is neither.
+        ValueError: a limit that is neither.
     """
     name = AUTO_PREFIX + budget
     runner = StepRunner(workload, device, dtype, seed)
-    runner.take_reference()  # plain autograd's gradients, and the activation bytes
+    runner.take_reference()  # plain autograd's gradients, its growth, the activation bytes
     activation = runner.activation_bytes or 0
-    size = budget_bytes(name, activation)
+    size = limit_bytes(name, runner.plain_growth)
     if size is None:
-        raise ValueError(f"tensorstash plan: {budget!r} is not a budget")
+        raise ValueError(f"tensorstash plan: {budget!r} is not a limit")
     results = tuple(runner.step(name) for _ in range(steps))
     plan = getattr(runner.session, "plan", None)
     return PlanRun(size, activation, plan, results)

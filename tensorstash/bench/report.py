@@ -102,13 +102,23 @@ def _notes(rows: Sequence[Row]) -> list[str]:
             "either 2% smaller or faster in enough rounds that chance would not do it "
             f"once in 100): {names}"
         )
-    budgets = [row for row in rows if row.budget_bytes is not None]
-    if budgets:
-        text = ", ".join(f"{row.policy} = {_human(row.budget_bytes)}" for row in budgets)
-        activations = budgets[0].activation_bytes
-        if activations is not None and any(is_relative(row.policy) for row in budgets):
-            text += f" (shares of the {human_bytes(activations)} of activations one step saves)"
-        lines.append(f"budgets: {text}")
+    limited = [row for row in rows if row.limit_bytes is not None]
+    if limited:
+        text = ", ".join(
+            f"{row.policy} = +{_human(row.limit_bytes)}"
+            + (
+                f" ({row.over_limit} step(s) over)"
+                if row.over_limit
+                else " (every step within)"
+                if row.over_limit == 0
+                else ""
+            )
+            for row in limited
+        )
+        growth = limited[0].plain_growth
+        if growth is not None and any(is_relative(row.policy) for row in limited):
+            text += f"; shares of no stash's real peak growth, {human_bytes(growth)}"
+        lines.append(f"limits over each step's base: {text}")
     for row in rows:
         if row.plan_recompute:
             lines.append(f"{row.policy}: the plan recomputes {', '.join(row.plan_recompute)}")

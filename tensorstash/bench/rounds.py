@@ -31,7 +31,8 @@ model, and the numbers are only comparable if nothing but the variant differs:
    step itself is deterministic), and one ``Keep`` step gives the model's
    activation bytes: the eligible bytes a step saves, the kept tier's peak
    (parameters, buffers and tensors under ``min_bytes`` are skipped, not
-   counted), the base of ``auto:<n>%`` budgets.
+   counted); a second plain step gives no stash's real peak growth, the base
+   of ``auto:<share>`` limits (the first carries the process's one-time work).
 5. Memory is measured on every timed step, as NOTE [ Real memory ] in
    memory/_memory.py says: the real peak growth (resident set on the CPU, from a
    trimmed heap; ``max_memory_allocated`` on CUDA) is the headline. What the
@@ -111,9 +112,10 @@ from tensorstash.bench.variants import (
     DEFAULT_POLICIES,
     NO_PLAN,
     OPTIONAL_PEERS,
-    budget_bytes,
     check_blocks,
     default_policies,
+    limit_bytes,
+    limit_slack,
     resolve_policies,
     skip_reason,
 )
@@ -415,12 +417,17 @@ class _Rounds:
         ) or self.failed.get(name)
         if why is not None:
             return Row.skip(name, self.dtype, why)
-        activations = self.runner.activation_bytes
+        activations, growth = self.runner.activation_bytes, self.runner.plain_growth
         row = summarize(name, self.dtype, timed[name], timed[BASELINE], warm[name])
+        limit = limit_bytes(name, growth)
         row = replace(
             row,
             activation_bytes=activations,
-            budget_bytes=budget_bytes(name, activations),
+            limit_bytes=limit,
+            plain_growth=growth,
+            over_limit=None
+            if limit is None
+            else sum(r.peak_bytes > limit + limit_slack(limit) for r in timed[name]),
             timeline=None if trace is None else trace.timeline,
         )
         twin = timed.get(name + NO_PLAN)

@@ -49,8 +49,13 @@ class Row:
             (None without a session).
         step_times, step_overheads, step_peak_bytes: per timed step, in order.
         activation_bytes: the eligible bytes one step saves (a Keep session's
-            kept peak), the base of ``auto:<n>%`` budgets.
-        budget_bytes: the budget of an ``auto:<budget>`` row, in bytes.
+            kept peak).
+        limit_bytes: what an ``auto:<limit>`` row's steps may add to their base,
+            in bytes (each step's limit is its base plus this).
+        plain_growth: no stash's real peak growth over a step, the base of a limit
+            given as a share.
+        over_limit: of the timed steps, those whose real peak growth went past
+            ``limit_bytes`` (an ``auto:<limit>`` row).
         predicted_step_s, predicted_peak_bytes: the planner's prediction
             (``session.plan``), median over the timed steps that had one.
         step_over_predicted, peak_over_predicted: median over those steps of
@@ -98,7 +103,9 @@ class Row:
     step_overheads: tuple[float, ...] = ()
     step_peak_bytes: tuple[int, ...] = ()
     activation_bytes: int | None = None
-    budget_bytes: int | None = None
+    limit_bytes: int | None = None
+    plain_growth: int | None = None
+    over_limit: int | None = None
     predicted_step_s: float | None = None
     predicted_peak_bytes: int | None = None
     step_over_predicted: float | None = None

@@ -5,9 +5,11 @@ A variant is a name; :func:`variant_context` runs a region under it. Names:
 - "none": plain autograd, the baseline every ratio is taken against;
 - a stash policy: "keep", "cpu", "lz4", "disk", "lz4+disk", "auto";
 - "recompute": ``ts.recompute`` on every block, their inputs through Auto;
-- ``auto:<budget>``: ``Auto(device_budget=...)``, the budget in bytes
-  (``auto:8MiB``) or in percent of the model's activation bytes (``auto:50%``),
-  the eligible bytes one step saves (see :func:`budget_bytes`);
+- ``auto:<limit>``: ``Auto(limit=...)``, a memory limit each step's real peak
+  must keep: the step's base (what the process or device holds as it begins)
+  plus a share of no stash's real peak growth (``auto:50%``, ``auto:0.5``) or
+  a size (``auto:64MiB``), so each row reads against its own limit (see
+  :func:`limit_bytes`);
 - the peers: "save_on_cpu" and "checkpoint" (torch's, or the model's own), and
   on a GPU the hook-based offloaders of torchtune and TRL, optional rows that
   are skipped, with the reason, where they cannot run (:func:`skip_reason`);
@@ -43,7 +45,9 @@ from tensorstash.bench.hf import (
     is_hf_peer,
 )
 from tensorstash.bench.workloads import Workload
-from tensorstash.planning.auto import parse_bytes
+from tensorstash.core._sizes import Share, parse_size
+from tensorstash.memory._memory import real_memory_now
+from tensorstash.planning.auto import LIMIT_LEAST
 
 # Policies handed to ts.stash, by bench name; factories so each step gets a fresh value.
 STASH_POLICIES: dict[str, Callable[[], Any]] = {
@@ -62,12 +66,13 @@ OPTIONAL_PEERS = ("torchtune", "trl")
 ALL_POLICIES: tuple[str, ...] = (BASELINE, *STASH_POLICIES, *PEERS)
 """Every variant that runs anywhere (``auto:<budget>`` and the optional peers aside)."""
 AUTO_PREFIX = "auto:"
-"""``auto:<budget>`` (``auto:8MiB``, ``auto:50%``) runs ``Auto(device_budget=<budget>)``."""
+"""``auto:<limit>`` (``auto:50%``, ``auto:64MiB``) runs ``Auto(limit=...)`` at the step's base
+plus that share of no stash's real peak growth, or that size (:func:`limit_bytes`)."""
 NO_PLAN = " without a plan"
 """The suffix of an ``auto:<budget>`` variant's twin that never plans (rule 6 of the NOTE)."""
 DEFAULT_POLICIES: tuple[str, ...] = (*ALL_POLICIES[:7], "auto:50%", *ALL_POLICIES[7:])
-"""Every policy, and Auto with half the model's activation bytes as its budget (the
-default budget, half of free memory, keeps everything of these models)."""
+"""Every policy, and Auto under a limit at half no stash's real peak growth (the default
+limit, a share of the machine's memory, keeps everything of these models)."""
 SWEEP_POLICIES: tuple[str, ...] = (
     BASELINE, "checkpoint", "recompute", "save_on_cpu", "cpu", "lz4", "disk",
     "auto", "auto:25%", "auto:50%", "auto:75%", *OPTIONAL_PEERS,
@@ -81,54 +86,61 @@ _INSTALL = {"torchtune": "pip install torchtune torchao", "trl": "pip install tr
 
 
 def budget_spec(name: str) -> str | None:
-    """The ``<budget>`` of an ``auto:<budget>`` name (None for other names)."""
+    """The ``<limit>`` of an ``auto:<limit>`` name (None for other names)."""
     return name.removeprefix(AUTO_PREFIX) if name.startswith(AUTO_PREFIX) else None
 
 
 def is_relative(name: str) -> bool:
-    """Whether ``name`` is an Auto budget in percent of the activation bytes (``auto:50%``)."""
+    """Whether ``name`` is an Auto limit given as a share of no stash's real peak growth
+    (``auto:50%``, ``auto:0.5``)."""
     spec = budget_spec(name)
-    return spec is not None and spec.endswith("%")
+    if spec is None:
+        return False
+    try:
+        return isinstance(parse_size(spec, "tensorstash bench", name), Share)
+    except (TypeError, ValueError):
+        return False
 
 
-def budget_bytes(name: str, activation_bytes: int | None) -> int | None:
-    """The budget of an ``auto:<budget>`` variant in bytes (None for other variants).
+def limit_bytes(name: str, plain_growth: int | None) -> int | None:
+    """What an ``auto:<limit>`` variant's step may add to its base, in bytes (None for
+    other variants): a share of ``plain_growth`` or a size (NOTE [ Sizes ]).
 
     Args:
         name: the variant.
-        activation_bytes: the eligible bytes one step saves (what a ``Keep``
-            session counts as its kept tier's ``peak_bytes``); needed for a
-            budget in percent.
+        plain_growth: no stash's real peak growth over a step, the base of a share.
 
     Raises:
-        ValueError: not a budget, or a percentage without ``activation_bytes``.
+        ValueError: not a size or a share, or a share without ``plain_growth``.
     """
     spec = budget_spec(name)
     if spec is None:
         return None
-    if not spec.endswith("%"):
-        size = parse_bytes(spec, "tensorstash bench", f"the budget of {name!r}")
-        if not isinstance(size, int):
-            raise ValueError(
-                f"tensorstash bench: {name!r}: a budget is bytes (auto:8MiB) or a percentage "
-                f"of the model's activation bytes (auto:50%); got {spec!r}"
-            )
-        return size
+    api = "tensorstash bench"
     try:
-        percent = float(spec[:-1])
-    except ValueError:
-        percent = -1.0
-    if not 0 < percent <= 1000:
+        size = parse_size(spec, api, f"the limit of {name!r}")
+    except (TypeError, ValueError) as error:
         raise ValueError(
-            f"tensorstash bench: {name!r}: a percentage budget must be a number in (0, 1000], "
-            "e.g. auto:50%"
-        )
-    if activation_bytes is None:
+            f"{api}: {name!r}: a limit is a share of no stash's real peak growth "
+            f"(auto:50%, auto:0.5) or a size over each step's base (auto:64MiB); {error}"
+        ) from None
+    if not isinstance(size, Share):
+        return int(size)
+    if plain_growth is None:
         raise ValueError(
-            f"tensorstash bench: {name!r} is a share of the model's activation bytes; pass "
-            "activation_bytes (run_bench measures them with a Keep session)"
+            f"{api}: {name!r} is a share of no stash's real peak growth; pass plain_growth "
+            "(run_bench measures it with a plain step)"
         )
-    return int(activation_bytes * percent / 100)
+    return size.of(plain_growth)
+
+
+budget_bytes = limit_bytes  # the name of older releases
+
+
+def limit_slack(limit: int) -> int:
+    """How far past its limit a step's measured real peak may read and still be within it:
+    what sampling the resident set misses or adds (2 MiB, or 3% of the limit)."""
+    return max(2 << 20, int(0.03 * limit))
 
 
 def _is_policy(name: str) -> bool:
@@ -340,6 +352,8 @@ def variant_context(
     profiles: dict[str, ts.Profile] | None = None,
     *,
     activation_bytes: int | None = None,
+    plain_growth: int | None = None,
+    base: int | None = None,
 ) -> Iterator[Any]:
     """Run a region under one bench variant.
 
@@ -351,8 +365,11 @@ def variant_context(
         profiles: the Profile of each Auto variant, kept across its steps
             (one is added on first use); None: a fresh Profile each time, as
             for a twin that never plans.
-        activation_bytes: the eligible bytes one step saves, the base of a
-            budget in percent (see :func:`budget_bytes`).
+        activation_bytes: the eligible bytes one step saves.
+        plain_growth: no stash's real peak growth over a step, the base of a limit
+            given as a share (see :func:`limit_bytes`).
+        base: what the process or device holds as the step begins, which an
+            ``auto:<limit>`` step's limit is over; None: read now.
 
     Returns:
         A context manager whose value is the stash session, or None for
@@ -386,7 +403,11 @@ def variant_context(
         with _blocks_recomputed(workload), ts.stash("auto", profile=profile) as session:
             yield session
     else:
-        budget = budget_bytes(name, activation_bytes)
-        policy = STASH_POLICIES[name]() if budget is None else ts.Auto(device_budget=budget)
+        over = limit_bytes(name, plain_growth)
+        if over is None:
+            policy = STASH_POLICIES[name]()
+        else:
+            held = real_memory_now(device) if base is None else base
+            policy = ts.Auto(limit=max(held + over, LIMIT_LEAST))
         with ts.stash(policy, profile=profile) as session:
             yield session

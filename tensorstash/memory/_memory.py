@@ -278,6 +278,7 @@ class CudaPeak:
 
     def __init__(self, device: torch.device, *, sync: bool = True) -> None:
         self.delta_bytes = 0
+        self.start_bytes = 0
         self._device = device
         self._sync = sync
         self._start = 0
@@ -295,7 +296,7 @@ class CudaPeak:
         if self._sync:
             torch.cuda.synchronize(self._device)
         torch.cuda.reset_peak_memory_stats(self._device)
-        self._start = torch.cuda.memory_allocated(self._device)
+        self._start = self.start_bytes = torch.cuda.memory_allocated(self._device)
         return self
 
     def __exit__(self, *exc_info: object) -> None:

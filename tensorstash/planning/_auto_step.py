@@ -159,7 +159,7 @@ class _AutoState:
             choice.set_budget(_limit.first_budget(room, root))
             return None
         peak = plan.predicted_peak_bytes
-        if peak is not None and peak > target and profile.warn_unreachable(-limit):
+        if peak is not None and peak > target and profile.warn_unreachable(-_limit.rounded(limit)):
             _limit.warn_unreachable(limit, base, plan)
         plan = dataclasses.replace(plan, limit_bytes=limit, base_bytes=base)
         choice.set_budget(plan.budget)

@@ -134,6 +134,13 @@ def first_budget(room: int, root: nn.Module | None) -> int:
     return max(0, int(FIRST_SHARE * room) - gradient_bytes(root))
 
 
+def rounded(limit: int) -> int:
+    """``limit`` to two significant digits: limits that differ by less are one limit to
+    warn of (a limit set from each step's base moves a little every step)."""
+    digits = max(len(str(limit)) - 2, 0)
+    return round(limit, -digits)
+
+
 def margin(room: int, widened: int = 0) -> int:
     """Rule 3 (and 6): what a plan leaves free of ``room``."""
     return max(MARGIN_LEAST, int(MARGIN_SHARE * room)) + widened

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from tensorstash.core.policy import Context
-from tensorstash.planning import compiler
+from tensorstash.planning import _limit, compiler
 from tensorstash.session.quiet import HOOKED, Opening, State
 from tensorstash.tiers.disk import DiskSpill
 
@@ -97,7 +97,7 @@ def compiled_planning(auto: Any, ctx: Context, min_bytes: int) -> CompiledStepPl
     if not compiler.known(profile).compiled:
         return None
     device = compiler.known(profile).device or torch.device("cpu")
-    search = compiler.search_for(profile, auto.device_budget, auto.budget_bytes(ctx, device))
+    search = _search(auto, ctx, profile, device)
     setting = search.setting_for_step()
     if setting is None:
         return CompiledStepPlanning(Opening(State.QUIET), search)
@@ -114,6 +114,27 @@ def compiled_planning(auto: Any, ctx: Context, min_bytes: int) -> CompiledStepPl
     stow = (_disk(auto.directory), ctx) if search.moving else None
     pair = CompiledPair(step, profile, whole=True, stow=stow)
     return CompiledStepPlanning(Opening(State.QUIET, pair), search)
+
+
+def _search(auto: Any, ctx: Context, profile: Any, device: torch.device) -> Any:
+    """The profile's search for ``auto``: for its budget of kept bytes, or under its
+    memory limit (rule 13 of NOTE [ Compiled code ]): the budget the room leaves now."""
+    limit = auto._parsed[2]
+    if limit is None:
+        return compiler.search_for(profile, auto.device_budget, auto.budget_bytes(ctx, device))
+    limit_bytes = _limit.limit_bytes(limit, device)
+    base = _limit.base_now(device)
+    room = limit_bytes - base
+    if room <= 0:
+        _limit.refuse(limit_bytes, base, device)
+    search = compiler.search_for(profile, ("limit", limit), 0, limited=True)
+    cap = None
+    if auto._parsed[0] is not None:  # a device_budget beside the limit holds too
+        choice = auto.state(ctx).choice
+        choice.budget_on(device)
+        cap = choice.user_budget
+    search.under_limit(limit_bytes, base, cap)
+    return search
 
 
 @functools.cache
@@ -139,7 +160,7 @@ def detecting(auto: Any, ctx: Context, min_bytes: int, quiet: bool) -> Opening:
 
     def search(device: torch.device) -> compiler.CompiledSearch:
         compiler.known(profile).device = device
-        return compiler.search_for(profile, auto.device_budget, auto.budget_bytes(ctx, device))
+        return _search(auto, ctx, profile, device)
 
     step = compiler.CompiledStep(search, 1.0, min_bytes, None)
     return Opening(State.HOOKED, CompiledPair(step, profile, whole=False))

@@ -191,7 +191,7 @@ from torch import Tensor, fx, nn
 from tensorstash.core.stats import human_bytes
 from tensorstash.memory import _pool
 from tensorstash.memory._memory import meter
-from tensorstash.planning import _stowing
+from tensorstash.planning import _limit, _stowing
 
 SETTINGS: tuple[float, ...] = (1.0, 0.5, 0.25, 0.1, 0.0)
 """The partitioner budgets the search tries, the default partitioner first (rule 5)."""
@@ -624,6 +624,7 @@ class Trial:
     peaks: list[int] = field(default_factory=list)
     compiling_s: list[float] = field(default_factory=list)
     timable: bool = True
+    room: int | None = None  # rule 13: the least room a step that took its peak had
 
     @property
     def step_s(self) -> float | None:
@@ -693,6 +694,10 @@ class CompilerPlan:
     recompute: tuple[str, ...] = ()
     base_step_s: float | None = None
     fits = True
+    limit_bytes: int | None = None
+    """Rule 13: the memory limit the plan holds, or None (a budget of kept bytes)."""
+    base_bytes: int | None = None
+    """Rule 13: what the device held before the step (the limit less this is its room)."""
 
     @property
     def saves_random(self) -> bool:
@@ -740,10 +745,19 @@ class CompilerPlan:
         )
         if self.saves_random:
             asked += " (dropout's draws kept; 0 is left out, as it recomputes them too)"
-        lines = [
+        lines = []
+        if self.limit_bytes is not None and self.base_bytes is not None:
+            room = self.limit_bytes - self.base_bytes
+            growth = self.predicted_peak_bytes
+            held = "" if growth is None else f"; real peak {human_bytes(self.base_bytes + growth)}"
+            lines.append(
+                f"limit {human_bytes(self.limit_bytes)}: {human_bytes(self.base_bytes)} held "
+                f"before the step, {human_bytes(room)} left for it{held}"
+            )
+        lines.append(
             f"compiled code: budget {human_bytes(self.budget_bytes)} kept for backward; "
             f"the compiler is asked for {asked}" + ("" if self.settled else " (still searching)")
-        ]
+        )
         for trial in (*self.trials, *((self.carry,) if self.carry is not None else ())):
             kept = "-" if trial.kept_bytes is None else human_bytes(trial.kept_bytes)
             step = (
@@ -781,8 +795,12 @@ class CompiledSearch:
             memory).
     """
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, *, limited: bool = False) -> None:
         self.budget = budget
+        self.limited = limited  # rule 13: the budget comes from a memory limit
+        self.limit: int | None = None  # rule 13: the limit, and the base of the last step
+        self.base: int | None = None
+        self.widened = 0  # rule 13: what a plan's steps went over its room, at most
         self.trials: dict[float, Trial] = {}
         self.choice: float | None = None
         self.settled = False
@@ -813,6 +831,24 @@ class CompiledSearch:
         if self.settled and (dropped_plan or self._fitting() != before):
             self.settled = False
             self.probed.clear()
+
+    def under_limit(self, limit: int, base: int, cap: int | None = None) -> None:
+        """Rule 13: the step about to run may hold ``limit`` bytes, ``base`` of them held
+        before it; the budget of kept bytes is made from what the room leaves (at most
+        ``cap``, a ``device_budget`` given beside the limit)."""
+        self.limit, self.base = limit, base
+        room = limit - base
+        measured = [t for t in self.trials.values() if t.peak_bytes is not None]
+        for trial in measured:  # rule 6 of NOTE [ Memory limit ]: a plan predicted short
+            if trial.kept_bytes is not None and trial.room is not None:
+                self.widened = max(self.widened, trial.peak_bytes - trial.room)  # type: ignore[operator]
+        if measured:
+            besides = max(t.peak_bytes - (t.kept_bytes or 0) for t in measured)  # type: ignore[operator]
+            budget = room - _limit.margin(room, self.widened) - besides
+        else:
+            budget = int(_limit.FIRST_SHARE * room)
+        budget = max(0, budget // _limit.ROOM_STEP * _limit.ROOM_STEP)
+        self.rebudget(budget if cap is None else min(budget, cap))
 
     def drew(self) -> None:
         """A step's forward drew random numbers (rule 7): from now on a budget of 0,
@@ -895,6 +931,8 @@ class CompiledSearch:
             short = None if as_fast(above) or peak(above) >= peak(best) else unsure(above)
             if short is not None:  # it held less: left out on its time only when sure
                 return short.setting
+        if self.limited:  # rule 13: the budget comes from the real peaks
+            return self._settle(best.setting)
         for over in self._overs():
             if not over.peaks and over.setting not in self.probed:
                 self.probed.add(over.setting)  # rule 11: one step for its real peak
@@ -1050,10 +1088,12 @@ class CompiledSearch:
         *,
         compiled: bool,
         moving: int = 0,
+        room: int | None = None,
     ) -> None:
         """A step at ``setting`` took ``seconds`` (less its compiling) and grew real
         memory by ``peak`` (None: not taken); a step that ``compiled`` gives its time
-        only. A setting keeps its last :data:`WINDOW` times."""
+        only. A setting keeps its last :data:`WINDOW` times; ``room``: what a memory limit
+        left the step (rule 13)."""
         trial = self._trial(setting, moving)
         if trial is None:
             return
@@ -1064,6 +1104,8 @@ class CompiledSearch:
         del trial.seconds[:-WINDOW]
         if peak is not None:
             trial.peaks.append(peak)
+            if room is not None:
+                trial.room = room if trial.room is None else min(trial.room, room)
 
     def plan(self) -> CompilerPlan:
         """The plan of the step about to run (after :meth:`setting_for_step`)."""
@@ -1083,6 +1125,8 @@ class CompiledSearch:
             self._cheaper_over(setting) if self.settled and not self.carried else None,
             moving=self.moving,
             carry=self.carry,
+            limit_bytes=self.limit,
+            base_bytes=self.base,
         )
 
 
@@ -1106,14 +1150,16 @@ def known(profile: Any) -> _Known:
     return found
 
 
-def search_for(profile: Any, spec: Any, budget: int) -> CompiledSearch:
+def search_for(profile: Any, spec: Any, budget: int, *, limited: bool = False) -> CompiledSearch:
     """The search of ``profile`` for the Auto budget ``spec`` (as the user gave it),
-    resolved to ``budget`` bytes now; a search never serves another spec."""
+    resolved to ``budget`` bytes now; a search never serves another spec. ``limited``:
+    the spec is a memory limit, whose budget :meth:`CompiledSearch.under_limit` sets."""
     searches = known(profile).searches
     search = searches.get(spec)
     if search is None:
-        search = searches[spec] = CompiledSearch(budget)
-    search.rebudget(budget)
+        search = searches[spec] = CompiledSearch(budget, limited=limited)
+    if not limited:
+        search.rebudget(budget)
     return search
 
 
@@ -1151,6 +1197,13 @@ class CompiledStep:
         self.setting = setting
         self.moving = moving
         self.known = known
+        self.room = (  # rule 13: what the limit left this step
+            search.limit - search.base
+            if isinstance(search, CompiledSearch)
+            and search.limit is not None
+            and search.base is not None
+            else None
+        )
         self.lease = _lease(search, pool) if known else None
         self.pair = hooks_for(setting, moving)
         count = _count()
@@ -1217,6 +1270,7 @@ class CompiledStep:
             peak,
             compiled=compiled,
             moving=self.moving,
+            room=self.room,
         )
 
     def _stop(self) -> int | None:
