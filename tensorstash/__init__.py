@@ -12,7 +12,7 @@ from tensorstash import _aliases
 from tensorstash._info import info
 from tensorstash.core.policy import Chain, Context, Defer, Keep, Packed, Policy
 from tensorstash.core.stats import StashStats
-from tensorstash.planning.auto import Auto, Memory, Select
+from tensorstash.planning.auto import Auto, Memory, MemoryLimitError, Select
 from tensorstash.planning.plan import Plan
 from tensorstash.planning.profile import Profile
 from tensorstash.session._verify import VerifyError
@@ -34,6 +34,7 @@ __all__ = [
     "Keep",
     "Lz4",
     "Memory",
+    "MemoryLimitError",
     "Packed",
     "Plan",
     "Policy",

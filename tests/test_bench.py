@@ -87,10 +87,13 @@ def test_bench_rows_carry_the_activation_bytes(rows: dict[str, dict[str, Any]]) 
     assert rows["keep"]["stash_peak_bytes"]["kept"] == activations
 
 
-def test_bench_budgets_in_bytes_and_in_percent(rows: dict[str, dict[str, Any]]) -> None:
-    assert rows["auto:1MiB"]["budget_bytes"] == 2**20
-    assert rows["auto:50%"]["budget_bytes"] == rows["auto:50%"]["activation_bytes"] // 2
-    assert rows["auto"]["budget_bytes"] is None and rows["keep"]["budget_bytes"] is None
+def test_bench_limits_in_bytes_and_as_shares(rows: dict[str, dict[str, Any]]) -> None:
+    growth = rows["auto:50%"]["plain_growth"]
+    assert growth > 0
+    assert rows["auto:1MiB"]["limit_bytes"] == 2**20
+    assert rows["auto:50%"]["limit_bytes"] == growth // 2
+    assert rows["auto"]["limit_bytes"] is None and rows["keep"]["limit_bytes"] is None
+    assert rows["auto:50%"]["over_limit"] is not None and rows["auto"]["over_limit"] is None
 
 
 @pytest.mark.parametrize("policy", [*STASHES, *AUTOS, "recompute"])
@@ -264,9 +267,9 @@ def test_bench_sweep_runs_both_dtypes(tmp_path: Path, capsys: pytest.CaptureFixt
         assert [row["policy"] for row in data if row["dtype"] == dtype] == list(
             bench.SWEEP_POLICIES
         )
-    budgets = {row["policy"]: row["budget_bytes"] for row in data if row["dtype"] == "float32"}
-    activations = data[0]["activation_bytes"]
-    assert budgets["auto:25%"] == activations // 4 and budgets["auto:75%"] == activations * 3 // 4
+    limits = {row["policy"]: row["limit_bytes"] for row in data if row["dtype"] == "float32"}
+    growth = next(row["plain_growth"] for row in data if row["policy"] == "auto:25%")
+    assert limits["auto:25%"] == int(growth * 0.25) and limits["auto:75%"] == int(growth * 0.75)
     assert all(row["grads_equal"] for row in data if row["skipped"] is None)
     out_text = capsys.readouterr().out
     assert ") float32, " in out_text and ") bfloat16 autocast, " in out_text
@@ -599,7 +602,7 @@ def test_bench_model_script_runs_the_users_model(script: Path, tmp_path: Path) -
     assert list(data) == ["none", "disk", "checkpoint", "recompute", "auto:50%"]
     assert all(row["grads_equal"] for row in data.values())
     assert data["disk"]["tiers"]["disk"]["bytes"] > 0
-    assert data["auto:50%"]["budget_bytes"] == data["none"]["activation_bytes"] // 2
+    assert data["auto:50%"]["limit_bytes"] == data["auto:50%"]["plain_growth"] // 2
 
 
 @pytest.mark.slow
@@ -737,29 +740,33 @@ def test_plan_command_prints_the_plan_and_writes_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], one_torch_thread: None
 ) -> None:
     out = tmp_path / "plan.json"
-    argv = ["plan", "--model", "tiny", "--budget", "40%", "--steps", "3", "--json", str(out)]
+    argv = ["plan", "--model", "tiny", "--limit", "40%", "--steps", "3", "--json", str(out)]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "predicted step" in text and "measured, step 3" in text
     data = json.loads(out.read_text())
     assert data["grads_equal"] is True
-    assert data["recompute"] or data["tiers"]  # 40% of the activations: something saved
-    assert data["held_bytes"] <= data["budget_bytes"] < data["activation_bytes"]
+    assert data["recompute"] or data["tiers"]  # 40% of a plain step's growth: something saved
+    assert data["held_bytes"] < data["activation_bytes"]
+    assert max(data["real_peak_bytes"][1:]) <= data["limit_bytes"] + (2 << 20)
     assert data["predicted_step_s"] > 0 and len(data["step_s"]) == 3
 
 
 def test_plan_command_with_one_step_says_it_only_measured(
     capsys: pytest.CaptureFixture[str], one_torch_thread: None
 ) -> None:
-    assert main(["plan", "--model", "tiny", "--budget", "1MiB", "--steps", "1"]) == 0
+    assert main(["plan", "--model", "tiny", "--limit", "1MiB", "--steps", "1"]) == 0
     assert "the first step measures" in capsys.readouterr().out
 
 
-def test_plan_command_rejects_a_budget_that_is_not_one(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("flag", ["--limit", "--budget"])
+def test_plan_command_rejects_a_limit_that_is_not_one(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exited:
-        main(["plan", "--model", "tiny", "--budget", "lots"])
+        main(["plan", "--model", "tiny", flag, "lots"])
     assert exited.value.code == 2
-    assert "budget" in capsys.readouterr().err
+    assert "a limit is a share of no stash's real peak growth" in capsys.readouterr().err
 
 
 def test_bench_goes_on_past_an_optional_peer_that_raises(

@@ -159,24 +159,25 @@ def test_plan_effect_compares_the_row_with_its_twin() -> None:
 # -- budgets and names ---------------------------------------------------------------------
 
 
-def test_budget_bytes_in_bytes_and_in_percent() -> None:
-    assert bench.budget_bytes("auto:8MiB", None) == 8 * MIB
-    assert bench.budget_bytes("auto:50%", 1000) == 500
-    assert bench.budget_bytes("auto:12.5%", 1000) == 125
-    assert bench.budget_bytes("lz4", 1000) is None
+def test_limit_bytes_as_sizes_and_shares() -> None:
+    assert bench.limit_bytes("auto:8MiB", None) == 8 * MIB
+    assert bench.limit_bytes("auto:50%", 1000) == 500
+    assert bench.limit_bytes("auto:0.5", 1000) == 500  # one grammar: 0.5 is 50%
+    assert bench.limit_bytes("auto:12.5%", 1000) == 125
+    assert bench.limit_bytes("lz4", 1000) is None
 
 
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("auto:0%", "must be a number in"),
-        ("auto:half%", "must be a number in"),
-        ("auto:50%", "pass activation_bytes"),
+        ("auto:0%", "as a share must be in"),
+        ("auto:half%", "a limit is a share of no stash's real peak growth"),
+        ("auto:50%", "pass plain_growth"),
     ],
 )
-def test_budget_bytes_errors_say_what_to_pass(name: str, message: str) -> None:
+def test_limit_bytes_errors_say_what_to_pass(name: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        bench.budget_bytes(name, None)
+        bench.limit_bytes(name, None)
 
 
 def test_resolve_policies_puts_baseline_first_and_drops_repeats() -> None:

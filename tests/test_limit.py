@@ -20,7 +20,6 @@ from torch import nn
 import tensorstash as ts
 from tensorstash.core._sizes import Share
 from tensorstash.memory._memory import PeakRss, return_free_memory
-from tensorstash.planning._limit import MemoryLimitError
 
 MIB = 1 << 20
 
@@ -201,9 +200,9 @@ def test_a_limit_under_what_the_process_holds_is_refused_before_the_step() -> No
     held = _plain(model, x)[0]
     auto = ts.Auto(limit=held - 64 * MIB)
     said = r"limit .* is under what the device holds .* Pass a limit above"
-    with pytest.raises(MemoryLimitError, match=said), ts.stash(auto, profile=ts.Profile()):
+    with pytest.raises(ts.MemoryLimitError, match=said), ts.stash(auto, profile=ts.Profile()):
         model(x)
-    with pytest.raises(MemoryLimitError, match=said), ts.stash(auto):  # without a profile
+    with pytest.raises(ts.MemoryLimitError, match=said), ts.stash(auto):  # without a profile
         model(x)
 
 
