@@ -4,7 +4,8 @@
 1. A size is bytes: an int (``1073741824``), or a string with a unit
    (``"1GiB"``, ``"1 GiB"``, ``"1.5GB"``, ``"512MiB"``, ``"64k"``): the ``i``
    units are powers of 1024, the others of 1000, and the unit is read without
-   regard to case. A bare number in a string is bytes (``"4096"``).
+   regard to case. A bare whole number in a string is bytes (``"4096"``); a
+   bare number with a point is the float it spells (``"0.5"``: a share).
 2. A share is a part of something larger: a float in (0, 1] (``0.9``) or a
    percentage (``"90%"``). What it is a share of is the argument's to say
    (``Auto``'s ``limit``: the device's capacity; the bench's ``auto:<share>``:
@@ -70,9 +71,11 @@ def parse_size(
         match = _SIZE.match(value)
         if match is None:
             raise ValueError(f"{api}: {name} must be {spelled}; got {value!r}")
-        number, prefix, binary, _ = match.groups()
+        number, prefix, binary, unit = match.groups()
         if binary and not prefix:
             raise ValueError(f"{api}: {name} must be {spelled}; got {value!r}")
+        if not (prefix or unit) and "." in number:  # "0.5" is the float it spells: a share
+            return _share(float(number), value, api, name, share, spelled)
         if prefix:
             power = "kmgtp".index(prefix.lower()) + 1
             number_bytes = float(number) * (1024 if binary else 1000) ** power
