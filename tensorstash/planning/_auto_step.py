@@ -153,7 +153,7 @@ class _AutoState:
             choice.set_budget(first if user is None else min(user, first))
             self.watch = watch_first(self.auto, self.stats, device.type)
             return None
-        target = room - _limit.margin(room, profile.overrun())
+        target = room - _limit.margin(room, profile.overrun() + _limit.spread(profile))
         plan = plan_within(self.auto, profile, max(0, target), choice.device_type, root, cap=user)
         if plan is None:
             choice.set_budget(_limit.first_budget(room, root))

@@ -17,16 +17,21 @@
    room with it, before the step runs.
 3. A plan's predicted real peak is its growth over the base (NOTE [ Plan ]
    rule 6: what the steps that took the real peak held besides their saved
-   bytes, plus the plan's held bytes at its peak). The plan a step runs is
-   the one made for the largest budget of saved bytes whose predicted peak
-   fits the room less a margin (``MARGIN_SHARE`` of the room, at least
-   ``MARGIN_LEAST``): the largest budget, since a larger budget moves and
-   recomputes less. The first budget tried is the room less what the
-   measured steps held besides their saved bytes; each next one is the last
-   less what its plan was predicted over (a plan that recomputes holds more
-   in backward than at the end of forward), a few at most, and the budget of
-   nothing where none fitted; of the plans tried, the fastest that fits
-   runs. The plan is kept while the measurements and the room (rounded down
+   bytes, per kind of plan, plus the plan's held bytes at its peak). Plans
+   are weighed for a few budgets of saved bytes: the first is the room less
+   what the measured steps held besides their saved bytes, each next one the
+   last less what its chosen plan was predicted over, and the budget of
+   nothing where none fitted; each budget's chosen plan and every plan
+   weighed for it (NOTE [ Plan ] rules 7, 10 and 11) are candidates. Of those
+   whose predicted peak fits the room less a margin, the fastest runs. The
+   margin is ``MARGIN_SHARE`` of the room (at least ``MARGIN_LEAST``), plus how
+   far one step's peak lay above its kind's median (:func:`spread`), plus
+   rule 6's widening. A plan of a kind no step measured must fit with
+   ``UNTRIED_SHARE`` of the room to spare (its prediction borrows other kinds'
+   measurements), and runs with hooks, taking its real peak, until
+   ``PEAK_SAMPLES`` of its steps did (a quiet step takes none). The plan the
+   last step ran stays where the fastest is faster by no more than a step's
+   noise. The plan is kept while the measurements and the room (rounded down
    to a ``ROOM_STEP``) stay.
 4. A step with no real peak measured yet (the profile's first) knows nothing
    of what the step holds besides its saved bytes, and runs under a budget
@@ -208,6 +213,18 @@ def within(
 
 def _kind(plan: Any) -> tuple[Any, ...]:
     return (plan.recompute, plan.moved_tiers)
+
+
+def spread(profile: Any) -> int:
+    """Rule 3: how far one step's real peak may lie above its kind's median: of the kinds
+    of plan (what they recompute, where they move) whose steps took the peak, the most
+    any step held besides its saved bytes over its kind's median."""
+    kinds: dict[tuple[Any, ...], list[int]] = {}
+    for step in profile.peaks:
+        if step.peak_bytes is not None:
+            kind = (step.recomputed, frozenset(step.moved))
+            kinds.setdefault(kind, []).append(step.peak_bytes - step.held_bytes)
+    return max((max(held) - int(statistics.median(held)) for held in kinds.values()), default=0)
 
 
 def _peak(plan: Any) -> int:
