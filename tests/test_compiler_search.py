@@ -577,3 +577,58 @@ def test_search_keeps_its_carry_while_it_fits_a_budget_that_moves() -> None:
     assert search.carry is None and not search.carried and not search.settled
     search.setting_for_step()
     assert search.moving != 14 * MIB
+
+
+# -- under a memory limit (rule 13) ------------------------------------------------------------
+
+
+def test_search_under_a_limit_budgets_half_the_room_before_a_peak_is_measured() -> None:
+    search = CompiledSearch(0, limited=True)
+    search.under_limit(limit=500 * MIB, base=400 * MIB)
+    assert search.budget == 50 * MIB  # half the room, nothing measured yet
+    plan = search.plan()
+    assert plan.limit_bytes == 500 * MIB and plan.base_bytes == 400 * MIB
+    assert plan.table().startswith("limit 500.0 MiB: 400.0 MiB held before the step")
+
+
+def test_search_under_a_limit_budgets_the_room_less_what_its_steps_held_besides() -> None:
+    search = CompiledSearch(0, limited=True)
+    search.under_limit(limit=500 * MIB, base=400 * MIB)
+    search.measured(1.0, KEPT[1.0], 5)
+    search.timed(1.0, 1.0, 60 * MIB, compiled=False, room=100 * MIB)  # 32 MiB besides
+    search.under_limit(limit=500 * MIB, base=400 * MIB)
+    margin = max(1 << 20, int(0.04 * 100 * MIB))
+    assert search.budget == (100 * MIB - margin - 32 * MIB) // MIB * MIB
+    # A setting whose steps held more besides what it kept sets the budget.
+    search.measured(0.5, KEPT[0.5], 5)
+    search.timed(0.5, 1.0, 56 * MIB, compiled=False, room=100 * MIB)  # 44 MiB besides
+    search.under_limit(limit=500 * MIB, base=400 * MIB)
+    assert search.budget == (100 * MIB - margin - 44 * MIB) // MIB * MIB
+
+
+def test_search_under_a_limit_widens_its_margin_by_what_a_step_went_over() -> None:
+    search = CompiledSearch(0, limited=True)
+    search.measured(0.5, KEPT[0.5], 5)
+    search.timed(0.5, 1.0, 110 * MIB, compiled=False, room=100 * MIB)  # 10 MiB over its room
+    search.under_limit(limit=500 * MIB, base=400 * MIB)
+    assert search.widened == 10 * MIB
+    margin = max(1 << 20, int(0.04 * 100 * MIB)) + 10 * MIB
+    assert search.budget == max(0, (100 * MIB - margin - 98 * MIB) // MIB * MIB)
+
+
+def test_search_under_a_limit_steps_no_setting_over_its_budget() -> None:
+    # Rule 13: rule 11 steps a setting over the budget for its real peak (past the step
+    # that compiled it); under a limit such a step could pass the limit, and none runs.
+    steps = {0.1: [(1.0, 40 * MIB)], 0.25: [(1.0, 44 * MIB)], 0.5: [(1.0, 30 * MIB)]}
+    compiling = {0.5: 1.0, 0.25: 1.0, 0.1: 1.0, 0.0: 1.0}
+    free = CompiledSearch(8 * MIB)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # rule 11's advice, not this test's point
+        ran = _run(free, {k: list(v) for k, v in steps.items()}, compiling)
+    assert ran.count(0.5) > 1  # without a limit, 0.5 (12 MiB, over) is stepped again
+    search = CompiledSearch(0, limited=True)
+    search.under_limit(limit=400 * MIB + 16 * MIB, base=400 * MIB)  # a budget of 8 MiB
+    assert search.budget == 8 * MIB
+    ran = _run(search, {k: list(v) for k, v in steps.items()}, compiling)
+    assert search.settled and ran.count(0.5) == 1  # compiled on the way down, never stepped
+    assert search.plan().carry is None and search.plan().moving == 0
