@@ -59,8 +59,9 @@ def plan_within(
     """The plan for a step of ``root`` whose predicted real peak fits ``room`` (NOTE
     [ Memory limit ] rule 3), its budget at most ``cap`` where given; made again only once
     the measurements or the room moved."""
-    # NOTE [ Memory limit ] rule 7: no plan recomputes before torch._dynamo is imported.
-    recompute = auto.recompute and "torch._dynamo" in sys.modules
+    # NOTE [ Memory limit ] rule 7: no plan recomputes before torch._dynamo is imported,
+    # whose import holds host memory (a limit on a CUDA device does not count it).
+    recompute = auto.recompute and (device_type == "cuda" or "torch._dynamo" in sys.modules)
     key, make = planner(auto, profile, device_type, root, recompute=recompute)
 
     def weighed(budget: int) -> tuple[Plan, list[Plan]] | None:

@@ -57,7 +57,9 @@
    the step that first recomputes, past the room that step was planned for.
    Where it is imported already (a Hugging Face model imports it, as does
    ``torch.compile`` or the user's own checkpointing), plans recompute as
-   they would without a limit; ``always_recompute`` waits for it too.
+   they would without a limit; ``always_recompute`` waits for it too. A
+   limit on a CUDA device does not count host memory: there plans recompute
+   from the first.
 
 The figures behind these choices: docs/figures/auto.md ("A memory limit").
 """
