@@ -420,10 +420,10 @@ def test_planned_steps_is_what_run_bench_ticks() -> None:
 def test_bench_adds_untimed_rounds_while_a_planner_learns(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    policies = ["none", "auto:50%"]
+    policies = ["none", "auto"]
     ticks: list[str] = []
     rows = bench.run_bench("tiny", policies, steps=2, warmup=2, progress=ticks.append)
-    auto = next(row for row in rows if row.policy == "auto:50%")
+    auto = next(row for row in rows if row.policy == "auto")
     # The plan's first steps take its real peak, hooked, and its first quiet step has
     # it made again: all in untimed rounds, so every timed step runs the plan quiet.
     assert 2 < auto.warmup_steps <= 2 + rounds.LEARNING_ROUNDS

@@ -1424,23 +1424,32 @@ def test_refault_probe_measures_a_rate() -> None:
 
 def test_plan_predicts_the_real_peak_from_the_median_of_the_steps_that_took_it() -> None:
     """One step's real peak moves by up to a tenth from the next one's (the allocator
-    walks other free pages each step): the plan takes the median of what the steps
-    that took it under the last plan held besides their saved bytes."""
-    profile = two_blocks()
-    first = profile.history[-1]
+    walks other free pages each step): the plan takes the median of what the steps of
+    its own kind (what it recomputes, where it moves) held besides their saved bytes,
+    and a step of another kind moves nothing."""
+    first = two_blocks().history[-1]
     assert first.peak_bytes is not None
-    low = dataclasses.replace(first, peak_bytes=first.peak_bytes - 6 * MiB)
-    high = dataclasses.replace(first, peak_bytes=first.peak_bytes + 4 * MiB)
-    other = dataclasses.replace(first, recomputed=("a",), peak_bytes=first.peak_bytes * 9)
-    for record in (other, low, high):
-        profile.history.append(record)
-        profile.peaks.append(record)
-    profile.peak = high  # the last that took it; ``other`` ran another plan
-    plan = make_plan(profile, 9 * MiB)
-    assert plan is not None and plan.predicted_peak_bytes is not None
-    # The median of the two under the last plan: their peaks less the bytes they held.
-    median = first.peak_bytes - MiB - first.held_bytes
-    assert plan.predicted_peak_bytes == median + max(plan.held_bytes, MiB + 8 * MiB)
+
+    def predicted(*extra: ts.profile.StepRecord) -> int:
+        profile = two_blocks()
+        for record in extra:
+            profile.history.append(record)
+            profile.peaks.append(record)
+        profile.peak = extra[-1] if extra else profile.peak
+        plan = make_plan(profile, 9 * MiB)
+        assert plan is not None and plan.recompute == ("a",)
+        assert plan.predicted_peak_bytes is not None
+        return plan.predicted_peak_bytes
+
+    def kind_a(more: int) -> ts.profile.StepRecord:
+        return dataclasses.replace(first, recomputed=("a",), peak_bytes=first.peak_bytes + more)
+
+    low, middle, high = kind_a(-6 * MiB), kind_a(-MiB), kind_a(4 * MiB)
+    other = dataclasses.replace(first, peak_bytes=first.peak_bytes * 9)  # keeps all
+    # The median of the three of its kind: the middle one, whatever the others held.
+    assert predicted(low, high, middle) == predicted(middle, middle, middle)
+    assert predicted(other, low, high, middle) == predicted(middle, middle, middle)
+    assert predicted(low, middle) < predicted(middle, middle) < predicted(middle, high)
 
 
 def test_plan_hands_memory_back_only_where_it_frees_enough() -> None:

@@ -60,8 +60,8 @@ def test_profile_snippet(private_tmp: Path, capsys: pytest.CaptureFixture[str]) 
     exec("import tensorstash as ts\n" + _snippet("profile = ts.Profile()"), namespace)
     assert namespace["profile"].steps == 2  # two steps measured; the second planned from the first
     assert all(p.grad is not None for p in namespace["model"].parameters())
-    table = capsys.readouterr().out  # the plan: the model fits its 8 GiB, nothing moves
-    assert table.startswith("budget 8.0 GiB") and "nothing to move" in table
+    table = capsys.readouterr().out  # the plan: the model fits its 12 GiB, nothing moves
+    assert table.startswith("limit 12.0 GiB: ") and "nothing to move" in table
 
 
 def test_decision_log_snippet(private_tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:

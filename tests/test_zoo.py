@@ -75,9 +75,10 @@ def test_zoo_auto_plan_trains_bitwise_while_the_plan_changes(name: str) -> None:
     with ts.stash(ts.Keep(), min_bytes=0) as probe:
         case.step()
     half = max(probe.stats.to_dict()["tiers"]["kept"]["peak_bytes"] // 2, 1)
-    # Learning at half the activation bytes, planned there, then at the default budget:
-    # plans that recompute or move sites, then one that keeps everything (quiet steps,
-    # and sessions that open quiet), on every model.
+    # Learning at half the activation bytes, planned there, then at the default limit:
+    # plans that recompute or move sites, then one that keeps everything, which takes its
+    # real peak in its first steps under the limit and then runs quiet (sessions that
+    # open quiet), on every model.
     budgets: list[Any] = [half] * 5 + [None] * 4
     actual, sessions = _train(case, budgets, ts.Profile(clock=Ticks()))
     for step, (want, got) in enumerate(zip(expected, actual, strict=True)):
@@ -85,6 +86,6 @@ def test_zoo_auto_plan_trains_bitwise_while_the_plan_changes(name: str) -> None:
             assert_grads_equal(want, got)
         except AssertionError as error:
             raise AssertionError(f"step {step}: {error}") from None
-    assert [s.stats.quiet for s in sessions[-3:]] == [1, 1, 1]
+    assert [s.stats.quiet for s in sessions[-2:]] == [1, 1]
     planned = [s.plan for s in sessions[3:5]]
     assert all(p is not None and (p.recompute or p.tiers) for p in planned), planned

@@ -55,7 +55,7 @@ def parse_size(
         Bytes (an int), or a :class:`Share`.
 
     Raises:
-        TypeError: not an int, float or str.
+        TypeError: not an int, float or str, or a float where no share is allowed.
         ValueError: a string of no size, a negative size, a share outside (0, 1], a
             share where none is allowed, or a size under ``least``.
     """
@@ -63,6 +63,8 @@ def parse_size(
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise TypeError(f"{api}: {name} must be {spelled}; got {value!r}")
     if isinstance(value, float):
+        if not share:  # bytes are whole: 1.5 is neither bytes nor, here, a share
+            raise TypeError(f"{api}: {name} must be {spelled}; got {value!r}")
         return _share(value, value, api, name, share, spelled)
     if isinstance(value, str):
         percent = _PERCENT.match(value)

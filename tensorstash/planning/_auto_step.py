@@ -153,14 +153,16 @@ class _AutoState:
             choice.set_budget(first if user is None else min(user, first))
             self.watch = watch_first(self.auto, self.stats, device.type)
             return None
-        target = room - _limit.margin(room, profile.overrun() + _limit.spread(profile))
+        target = room - _limit.margin(room, max(profile.overrun(), _limit.spread(profile)))
         plan = plan_within(self.auto, profile, max(0, target), choice.device_type, root, cap=user)
         if plan is None:
             choice.set_budget(_limit.first_budget(room, root))
             return None
         peak = plan.predicted_peak_bytes
-        if peak is not None and peak > target and profile.warn_unreachable(-_limit.rounded(limit)):
-            _limit.warn_unreachable(limit, base, plan)
+        known = not profile.needs_peak(plan.recompute, plan.moved_tiers)
+        over = peak is not None and peak > target and known
+        if over and profile.warn_unreachable(-_limit.rounded(limit)):
+            _limit.warn_unreachable(limit, base, plan, room - target)
         plan = dataclasses.replace(plan, limit_bytes=limit, base_bytes=base)
         choice.set_budget(plan.budget)
         return plan

@@ -25,8 +25,11 @@
    weighed for it (NOTE [ Plan ] rules 7, 10 and 11) are candidates. Of those
    whose predicted peak fits the room less a margin, the fastest runs. The
    margin is ``MARGIN_SHARE`` of the room (at least ``MARGIN_LEAST``), plus how
-   far one step's peak lay above its kind's median (:func:`spread`), plus
-   rule 6's widening. A plan of a kind no step measured must fit with
+   far steps' peaks lay above their kind's median (:func:`spread`) or rule 6's
+   widening, whichever is more. Both look past a single step: one step's
+   one-time work (the first spill files, a writer thread's stack) lay 19 MiB
+   over its kind's median on the tiny GPT, and counted once it widened the
+   margin of a 5 MiB room for good. A plan of a kind no step measured must fit with
    ``UNTRIED_SHARE`` of the room to spare (its prediction borrows other kinds'
    measurements), and runs with hooks, taking its real peak, until
    ``PEAK_SAMPLES`` of its steps did (a quiet step takes none). The plan the
@@ -46,10 +49,16 @@
    before the step runs. A room that no plan fits (every module that may be
    recomputed recomputed and every site moved, still predicted over) is
    warned of once per limit, naming the limit, the least real peak a plan
-   reaches and what reaches it; ``Auto`` then runs that least plan.
-6. Calibration: a measured step whose real peak went past the room it was
-   planned for (by more than the margin) widens the margin of later plans by
-   what it went over, so that one plan predicted short is not made again.
+   reaches and what reaches it; ``Auto`` then runs that least plan. The
+   warning waits until ``PEAK_SAMPLES`` steps of that plan's own kind took
+   their real peak: a prediction drawn from other kinds' steps, or from the
+   first step of its kind (which opens the spill files and starts the
+   writer), may be far off (on the tiny GPT, a plan moving every site to disk
+   was predicted at 14 MiB, and held 3 MiB), and the plan runs either way.
+6. Calibration: where two of the recent measured steps went past the room
+   they were planned for, later plans' margin widens by the lesser of the two
+   overruns, so that a plan predicted short is not made again (one overrun
+   alone is rule 3's one-time work).
 7. Under a limit, no plan recomputes before ``torch._dynamo`` is imported:
    PyTorch's non-reentrant checkpointing imports it at its first call, and
    what that import holds (about 80 MiB on the CPU) stays in the process
@@ -78,6 +87,7 @@ from torch import nn
 from tensorstash.core.stats import human_bytes
 from tensorstash.memory import _pool
 from tensorstash.memory._memory import device_capacity, real_memory_now
+from tensorstash.planning._records import plan_of
 
 __all__ = [
     "FIRST_SHARE",
@@ -218,15 +228,17 @@ def _kind(plan: Any) -> tuple[Any, ...]:
 
 
 def spread(profile: Any) -> int:
-    """Rule 3: how far one step's real peak may lie above its kind's median: of the kinds
-    of plan (what they recompute, where they move) whose steps took the peak, the most
-    any step held besides its saved bytes over its kind's median."""
+    """Rule 3: how far steps' real peaks lie above their kind's median: of the kinds of
+    plan (what they recompute, where they move) whose steps took the peak, the most the
+    second-highest step held besides its saved bytes over its kind's median."""
     kinds: dict[tuple[Any, ...], list[int]] = {}
     for step in profile.peaks:
         if step.peak_bytes is not None:
-            kind = (step.recomputed, frozenset(step.moved))
+            kind = plan_of(step)
             kinds.setdefault(kind, []).append(step.peak_bytes - step.held_bytes)
-    return max((max(held) - int(statistics.median(held)) for held in kinds.values()), default=0)
+    kinds = {kind: held for kind, held in kinds.items() if held[1:]}
+    above = (sorted(held)[-2] - int(statistics.median(held)) for held in kinds.values())
+    return max([0, *above])
 
 
 def _peak(plan: Any) -> int:
@@ -254,8 +266,9 @@ def refuse(limit: int, base: int, device: torch.device) -> None:
     )
 
 
-def warn_unreachable(limit: int, base: int, plan: Any) -> None:
-    """Rule 5: no plan's predicted peak fits the room: the least, and what reaches it."""
+def warn_unreachable(limit: int, base: int, plan: Any, margin: int) -> None:
+    """Rule 5: no plan's predicted peak fits the room less ``margin`` (rule 3): the least,
+    what reaches it, and the limit it needs."""
     least = plan.predicted_peak_bytes
     what = []
     if plan.recompute:
@@ -266,7 +279,8 @@ def warn_unreachable(limit: int, base: int, plan: Any) -> None:
     warnings.warn(
         f"tensorstash.Auto: limit {human_bytes(limit)} cannot be held: the device holds "
         f"{human_bytes(base)} before the step, and the least real peak a plan reaches is "
-        f"{human_bytes(base + least)} ({reaches}). Pass limit >= {base + least} bytes, allow "
+        f"{human_bytes(base + least)} ({reaches}), with a margin of {human_bytes(margin)} for "
+        f"its steps' spread. Pass limit >= {base + least + margin} bytes, allow "
         "more modules to be recomputed, or hold less before the step; until then Auto runs "
         "that plan. (Shown once per limit.)",
         RuntimeWarning,

@@ -529,14 +529,14 @@ class Profile:
             self._step.room = room
 
     def overrun(self) -> int:
-        """NOTE [ Memory limit ] rule 6: the most a recent step that took the real peak
-        went past the room it was planned for (0 where none did)."""
-        over = [
+        """NOTE [ Memory limit ] rule 6: the second most a recent step that took the real
+        peak went past the room it was planned for (0 where fewer than two did)."""
+        over = sorted(
             rec.peak_bytes - rec.room_bytes
             for rec in self.peaks
             if rec.peak_bytes is not None and rec.room_bytes is not None
-        ]
-        return max(0, *over) if over else 0
+        )
+        return max(0, over[-2]) if over[1:] else 0
 
     def set_up_ran(self) -> None:
         """A one-time set-up ran at the model's first call, before its forward: the step
