@@ -123,7 +123,7 @@ def test_inflight_waits_for_the_oldest_copies_beyond_its_bound() -> None:
 def test_cpu_offload_byte_limits_are_checked(name: str) -> None:
     with pytest.raises(ValueError, match=f"{name} must be at least 0 bytes"):
         ts.CpuOffload(**{name: -1})
-    with pytest.raises(TypeError, match=fr"{name} must be bytes \(an int\)"):
+    with pytest.raises(TypeError, match=rf"{name} must be bytes \(an int\)"):
         ts.CpuOffload(**{name: 1.5})
 
 
