@@ -4,6 +4,7 @@ another torch, and another library's CPU allocator.
 
 Each case runs in a process of its own: the pool is PyTorch's CPU allocator for the
 whole process (rule 4), and a case that breaks it must not take the others with it.
+Each ends by checking the pool's books (rule 10), and so do the children it forks.
 """
 
 from __future__ import annotations
@@ -135,14 +136,15 @@ def foreign() -> Path:
 
 
 def run(code: str, *, common: bool = True, path: Path | None = None, timeout: float = 90) -> str:
-    """Run ``code`` (after ``_COMMON`` where ``common``) as a script in a new interpreter
-    (a file, so that spawn can import it); its stdout, after asserting it exited 0."""
+    """Run ``code`` (after ``_COMMON`` where ``common``, and before ``_BOOKS``) as a script
+    in a new interpreter (a file, so that spawn can import it); its stdout, after asserting
+    it exited 0."""
     env = dict(os.environ, OMP_NUM_THREADS="2")
     if path is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(path), env.get("PYTHONPATH", "")])
     with tempfile.TemporaryDirectory(prefix="ts-pool-stress-") as folder:
         script = Path(folder) / "case.py"
-        script.write_text((_COMMON if common else "") + textwrap.dedent(code))
+        script.write_text((_COMMON if common else "") + textwrap.dedent(code) + _BOOKS)
         done = subprocess.run(
             [sys.executable, str(script)],
             capture_output=True,
@@ -155,6 +157,14 @@ def run(code: str, *, common: bool = True, path: Path | None = None, timeout: fl
     )
     return done.stdout
 
+
+# The end of every case: the pool's books add up (an AssertionError exits 1).
+_BOOKS = """
+import gc as _gc
+from tensorstash.memory import _pool as _checked
+_gc.collect()
+_checked.check_books()
+"""
 
 # Shared by the cases: a disk spill session around a small model, its gradients
 # compared bitwise with plain autograd's.
@@ -253,6 +263,7 @@ def test_a_fork_from_a_thread_while_another_allocates_gives_a_child_that_allocat
                         del blocks[:2]
                         again = torch.full((1 << 18,), 3.0)
                         good = bool((blocks[0] == 2).all()) and bool((again == 3).all())
+                        _pool.check_books()
                         c = _pool.counts()
                         os._exit(0 if good and not _pool.installed() and c.cached_bytes == 0 else 3)
                     except BaseException:
@@ -287,6 +298,7 @@ def test_a_dataloader_with_fork_and_persistent_workers_runs_under_sessions() -> 
                 return 32
 
             def __getitem__(self, i):
+                _pool.check_books()  # in a worker forked while the pool serves
                 return torch.full((1 << 16,), float(i))  # 256 KiB: pool-sized in a batch
 
         torch.manual_seed(0)
@@ -402,6 +414,7 @@ def test_a_spawned_process_gets_a_pool_of_its_own() -> None:
                     loss = model(x).sum()
                 loss.backward()
             same = all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want))
+            _pool.check_books()
             queue.put((same, ts.info().pool, _pool.counts().misses > 0))
 
         if __name__ == "__main__":

@@ -82,8 +82,10 @@ The measurements behind these rules are in docs/figures/tiers-and-memory.md.
    Linux only.
 6. Across ``fork`` the pool's lock is held (``pthread_atfork``), so the child
    gets its lists whole; the child serves nothing, unmaps its copies of the
-   blocks waiting, and counts its high-water mark from what it holds. Leases
-   belong to the parent: the child's ``_caps`` start empty.
+   blocks waiting, and counts its high-water mark from what it holds. A
+   block another thread was growing at the fork is in none of the child's
+   books (rule 10): the child keeps its copy mapped and never hands it out.
+   Leases belong to the parent: the child's ``_caps`` start empty.
 7. Blocks of the pool are not reported to PyTorch's memory profiler.
 8. A library that installs its own CPU allocator after the pool displaces
    it: the pool sees it at its next lease or large request, and serves no
@@ -94,8 +96,24 @@ The measurements behind these rules are in docs/figures/tiers-and-memory.md.
    that installs its allocator when it is imported, as torch asks, displaces
    the pool before any session made a block.
 9. A block whose ``munmap`` fails stays mapped, out of every list but the
-   pool's stuck ones, and is unmapped at a later try; ``PoolCounts`` counts
-   the failures and the bytes still stuck.
+   pool's stuck ones (listed in the blocks' own first bytes, so that a
+   failed ``munmap`` needs no memory), and is unmapped at a later try;
+   ``PoolCounts`` counts the failures and the bytes still stuck.
+10. The books (``sizes_`` in ``_alloc.cpp``) hold every block handed out or
+   waiting. An address enters them only once its range is mapped, and
+   leaves them before its range is unmapped or moved (``mremap``): the
+   moment a range is gone, the kernel may hand its address to another
+   thread's ``mmap``, whose block must not lose its record to a late erase
+   (that block would be handed to ``free()`` when freed, and corrupt the
+   heap). An address entered twice aborts the process with a message that
+   names the bug, before the heap can be corrupted. The books never throw:
+   where a container cannot grow (``bad_alloc``), a block that would wait
+   leaves the pool, a block to unmap later is unmapped at once, and a
+   request passes on to the allocator the pool replaced, so a ``DataPtr``'s
+   deleter never throws and a list is never changed by half. A block whose
+   ``mremap`` fails waits again. :func:`check_books` checks that what the
+   books record adds up to what is in use and what waits; the tests call it
+   after every case.
 """
 
 from __future__ import annotations
@@ -110,6 +128,8 @@ from types import ModuleType
 from typing import NamedTuple
 
 import torch  # loads libc10, which _alloc needs
+
+from tensorstash.core.policy import bug
 
 _STATES = {
     0: "the session pool is not installed",
@@ -235,6 +255,38 @@ def status() -> tuple[bool, str]:
     if state != 1:
         return False, _STATES.get(state, f"unknown state {state}")
     return True, "active"
+
+
+class Books(NamedTuple):
+    """The pool's books (rule 10), as :func:`check_books` found them.
+
+    Attributes:
+        recorded_bytes: the sizes of the blocks the pool records.
+        live_bytes: of the blocks in use.
+        cached_bytes: of the blocks waiting.
+        stuck_bytes: of the blocks whose ``munmap`` failed (rule 9), recorded apart.
+    """
+
+    recorded_bytes: int
+    live_bytes: int
+    cached_bytes: int
+    stuck_bytes: int
+
+
+def check_books() -> Books | None:
+    """Check the pool's books (rule 10): the blocks recorded add up to those in use
+    plus those waiting, each block waiting is listed by age and by size, and no two
+    blocks overlap. None where there is no pool.
+
+    Raises:
+        AssertionError: where they do not add up (a bug in tensorstash).
+    """
+    if compiled is None:
+        return None
+    recorded, live, cached, stuck, wrong = compiled._check()
+    if wrong:
+        raise bug(f"the session pool's books: {wrong}")
+    return Books(recorded, live, cached, stuck)
 
 
 _lock = threading.RLock()  # a lease freed by the collector may close under it
