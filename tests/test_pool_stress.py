@@ -9,7 +9,6 @@ Each ends by checking the pool's books (rule 10), and so do the children it fork
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cxx import build, compiler
 
 from tensorstash.memory import _pool
 
@@ -101,38 +101,9 @@ PyMODINIT_FUNC PyInit__foreign() { return PyModule_Create(&module); }
 @pytest.fixture(scope="module")
 def foreign() -> Path:
     """A folder holding ``_foreign``, built once per source and torch (cached in /tmp)."""
-    key = hashlib.sha256(f"{_FOREIGN}{torch.__version__}{sys.version}".encode()).hexdigest()
-    folder = Path(tempfile.gettempdir()) / "tensorstash-tests" / key[:16]
-    suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    built = folder / f"_foreign{suffix}"
-    if not built.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        source = folder / "_foreign.cpp"
-        source.write_text(_FOREIGN)
-        root = Path(torch.__file__).parent
-        partial = folder / f"_foreign.{os.getpid()}.so"
-        subprocess.run(
-            [
-                os.environ.get("CXX", "g++"),
-                "-O1",
-                "-std=c++17",
-                "-shared",
-                "-fPIC",
-                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-                f"-I{sysconfig.get_paths()['include']}",
-                f"-I{root / 'include'}",
-                str(source),
-                f"-L{root / 'lib'}",
-                "-lc10",
-                "-o",
-                str(partial),
-            ],
-            check=True,
-            capture_output=True,
-            timeout=300,
-        )
-        partial.replace(built)
-    return folder
+    if compiler() is None:
+        pytest.skip("no C++ compiler ($CXX or g++) to build another library's allocator")
+    return build("_foreign", _FOREIGN)
 
 
 def run(code: str, *, common: bool = True, path: Path | None = None, timeout: float = 90) -> str:
