@@ -414,10 +414,54 @@ def test_pool_built_for_another_torch_is_not_used_and_says_so_once() -> None:
 def test_pool_is_off_under_tensorstash_pool_0_and_info_says_why() -> None:
     module, why = _pool.load(environ={"TENSORSTASH_POOL": "0"})
     assert module is None and "TENSORSTASH_POOL=0" in why
+    lease = _pool.lease(MiB)  # installs the pool, where no test did yet
+    assert lease is not None
+    lease.close()
     found = ts.info()
     assert found.pool and found.pool_why == "active"
-    assert "session pool (tensorstash.memory._alloc): active" in str(found)
-    assert "session pool on" in found.line() and "\n" not in found.line()
+    assert found.pool_installed_at is not None and found.pool_installed_after is not None
+    assert found.pool_installed_at <= time.time() and found.pool_installed_after >= 0
+    assert "session pool (tensorstash.memory._alloc): active since " in str(found)
+    assert found.line().endswith("session pool on") and "\n" not in found.line()
+
+
+_NEVER_INSTALLED = """
+import tempfile
+import torch
+from torch import nn
+import tensorstash as ts
+from tensorstash.memory import _pool
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
+x = torch.randn(1024, 256)
+for policy in ("keep", "cpu", "lz4"):  # CPU sessions that free no memory
+    with ts.stash(policy, min_bytes=0):
+        loss = model(x).sum()
+    loss.backward()
+found = ts.info()
+print(_pool.compiled.state(), sum(_pool.counts()[:5]), found.pool, found.pool_why,
+      found.pool_installed_at, "(not installed yet)" in found.line())
+with tempfile.TemporaryDirectory() as d:  # a disk spill past trim_every: the pool goes in
+    with ts.stash(ts.DiskSpill(d, trim_every=1 << 20), min_bytes=0):
+        loss = model(x).sum()
+    loss.backward()
+found = ts.info()
+print(_pool.compiled.state(), found.pool_why, found.pool_installed_at is not None,
+      " since " in str(found), _pool.check_books().live_bytes)
+"""
+
+
+@pytest.mark.slow  # a subprocess
+def test_a_process_that_runs_no_cpu_session_freeing_memory_keeps_pytorchs_cpu_allocator() -> None:
+    # Rule 4: the pool is installed at the first lease, not at import. State 0 is "not
+    # installed, and c10's default CPU allocator is PyTorch's CPU allocator".
+    done = subprocess.run(
+        [sys.executable, "-c", _NEVER_INSTALLED], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = done.stdout.splitlines()
+    assert before.split() == ["0", "0", "True", "ready", "None", "True"]
+    assert after.split() == ["1", "active", "True", "True", "0"]
 
 
 def test_pool_refuses_to_serve_blocks_under_a_page() -> None:

@@ -522,6 +522,80 @@ def test_an_allocator_installed_after_the_pool_displaces_it_for_good(foreign: Pa
     assert out.split() == ["False", "True", "True", "0", "True", "False", "0", "True"]
 
 
+def test_the_pool_installed_while_other_threads_allocate_and_take_memory_raw() -> None:
+    # Rule 4: the first lease installs the pool, here while an LSTM (oneDNN's scratch
+    # memory, taken with raw_allocate and given back with raw_deallocate of whichever
+    # allocator is installed then) and plain allocations run on other threads. What
+    # c10's allocator gave before must go back to it, through the pool.
+    out = run(
+        """
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        lstm = nn.LSTM(32, 64, num_layers=2, batch_first=True)
+        x = torch.randn(8, 40, 32)
+        stop = threading.Event()
+
+        def run():
+            with torch.no_grad():
+                while not stop.is_set():
+                    lstm(x)
+
+        def churn():
+            held = []
+            while not stop.is_set():
+                held.append(torch.ones((1 << 16) + 1024 * len(held)))
+                if len(held) > 6:
+                    del held[:3]
+
+        before = _pool.compiled.state()
+        threads = [threading.Thread(target=f) for f in (run, run, churn)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(4)])
+        with tempfile.TemporaryDirectory() as d:
+            ok = all(spilled_step_matches(model, torch.randn(1024, 256), d) for _ in range(3))
+        stop.set()
+        for t in threads:
+            t.join()
+        print(before, _pool.compiled.state(), ok, ts.info().pool_installed_at is not None)
+        """
+    )
+    assert out.split() == ["0", "1", "True", "True"]
+
+
+def test_the_pool_stays_out_where_another_allocator_came_after_import(foreign: Path) -> None:
+    # Rule 4: an allocator installed after tensorstash was imported, but before any
+    # session needed the pool, keeps its place; the pool never goes in.
+    out = run(
+        common=False,
+        code="""
+        import gc, tempfile
+        import torch
+        from torch import nn
+        import tensorstash as ts
+        from tensorstash.memory import _pool
+        import _foreign
+        print(ts.info().pool_why)
+        _foreign.install()
+        torch.set_num_threads(1)
+        lstm = nn.LSTM(32, 64, num_layers=2, batch_first=True)
+        x = torch.randn(8, 40, 32)
+        with tempfile.TemporaryDirectory() as d:
+            for _ in range(5):
+                with ts.stash(ts.DiskSpill(d, trim_every=1 << 16), min_bytes=0):
+                    out, _ = lstm(x.requires_grad_())
+                out.sum().backward()
+        gc.collect()
+        found = ts.info()
+        print(_foreign.current(), _foreign.wrong_frees(), _pool.lease(1 << 20) is None)
+        print(found.pool, found.pool_installed_at, "before a session needed" in found.pool_why)
+        """,
+        path=foreign,
+    )
+    assert out.split() == ["ready", "True", "0", "True", "False", "None", "True"]
+
+
 _RACE = """
 import threading, time
 import torch

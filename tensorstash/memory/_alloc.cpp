@@ -11,7 +11,7 @@
 // mark plus `cap`. Past that the oldest blocks waiting are unmapped, and all of
 // them once the last lease ends; a block freed after that is unmapped at once.
 //
-// Installed once (rule 4), at import, over c10's default CPU allocator
+// Installed once (rule 4), by the first lease, over c10's default CPU allocator
 // only: `before_` is set before the pool is published, and never changes, so a
 // request on any thread, at any moment, reaches either that allocator or the
 // pool passing it on. Serving is an atomic switched on and off by leases; the
@@ -951,7 +951,7 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "_alloc", "The session pool (see _p
 }  // namespace
 
 // Importing the module changes nothing: _pool.py reads TORCH_VERSION first and
-// calls install() only where it is the torch running (rule 5).
+// calls install() only where it is the torch running (rule 5), at the first lease.
 PyMODINIT_FUNC PyInit__alloc() {
   PyObject* made = PyModule_Create(&module);
   if (made != nullptr &&
