@@ -11,12 +11,12 @@
 // mark plus `cap`. Past that the oldest blocks waiting are unmapped, and all of
 // them once the last lease ends; a block freed after that is unmapped at once.
 //
-// Installed once (rule 4), by the first lease, over c10's default CPU allocator
-// only: `before_` is set before the pool is published, and never changes, so a
-// request on any thread, at any moment, reaches either that allocator or the
-// pool passing it on. Serving is an atomic switched on and off by leases; the
-// allocator is never swapped back. Every shared field is an atomic or is read
-// and written under `mutex_` (rule 6 for fork).
+// Made at import, inert, and installed once (rule 4), by the first lease, over
+// c10's default CPU allocator only: `before_` is set before the pool is published,
+// and never changes, so a request on any thread, at any moment, reaches either
+// that allocator or the pool passing it on. Serving is an atomic switched on and
+// off by leases; the allocator is never swapped back. Every shared field is an
+// atomic or is read and written under `mutex_` (rule 6 for fork).
 //
 // The books (rule 10): `sizes_` holds every block handed out or waiting. An
 // address enters it only once its range is mapped, and leaves it before its
@@ -231,7 +231,7 @@ class Pool final : public c10::Allocator {
       state_ = kOtherBefore;
       return state_;
     }
-    before_.store(current, std::memory_order_relaxed);
+    before_.store(current, std::memory_order_release);
     std::atomic_thread_fence(std::memory_order_seq_cst);  // before_ is seen before the pool
     c10::SetCPUAllocator(this, /*priority=*/0);  // a no-op under a higher priority's
     state_ = c10::GetCPUAllocator() == this ? kInstalled : kRefused;
@@ -952,7 +952,14 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "_alloc", "The session pool (see _p
 
 // Importing the module changes nothing: _pool.py reads TORCH_VERSION first and
 // calls install() only where it is the torch running (rule 5), at the first lease.
+// The pool is made here, inert: a thread started after the import sees it whole,
+// whatever c10's plain store of PyTorch's CPU allocator lets it see later.
 PyMODINIT_FUNC PyInit__alloc() {
+  try {
+    pool();
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  }
   PyObject* made = PyModule_Create(&module);
   if (made != nullptr &&
       PyModule_AddStringConstant(made, "TORCH_VERSION", TENSORSTASH_TORCH_VERSION) < 0) {

@@ -66,7 +66,10 @@ The measurements behind these rules are in docs/figures/tiers-and-memory.md.
    first lease): torch's ``SetCPUAllocator`` publishes with a plain store,
    so a request on another thread meanwhile reaches either the allocator the
    pool replaces or the pool passing it on; the pool records that allocator
-   before it is published and never changes it. What the replaced allocator
+   before it is published and never changes it. The pool itself is made,
+   inert, when the extension is imported, so that a thread started after
+   ``import tensorstash`` sees it whole whenever it is published (for one
+   started before, a fence orders its making before c10's store). What the replaced allocator
    gave before the pool came, ``raw_allocate``'d or not, goes back to it:
    a block the pool did not map is passed on. Leases switch serving on and
    off (an atomic); between them the pool hands every request to that
