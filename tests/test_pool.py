@@ -8,7 +8,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -26,6 +28,24 @@ def counts() -> _pool.PoolCounts:
     found = _pool.counts()
     assert found is not None
     return found
+
+
+def extension() -> ModuleType:
+    assert _pool.compiled is not None
+    return _pool.compiled
+
+
+@pytest.fixture(autouse=True)
+def books_add_up() -> Iterator[None]:
+    """After every test, what the pool records adds up to what is in use and waiting."""
+    yield
+    extension()._fail_books(0, 0)
+    extension()._fail_remaps(0)
+    extension()._fail_unmaps(0)
+    gc.collect()
+    books = _pool.check_books()
+    assert books is not None
+    assert books.recorded_bytes == books.live_bytes + books.cached_bytes
 
 
 def test_pool_serves_large_cpu_blocks_only_while_leased() -> None:
@@ -199,6 +219,7 @@ def test_a_child_forked_while_the_pool_serves_allocates_and_exits() -> None:
                 blocks = [torch.empty(MiB // 4) for _ in range(3)]
                 del blocks[1:]
                 again = torch.empty(MiB // 4)
+                _pool.check_books()
                 os._exit(0 if again.numel() == MiB // 4 else 1)
             except BaseException:
                 os._exit(2)
@@ -337,6 +358,7 @@ def test_a_forked_child_serves_nothing_and_keeps_none_of_its_parents_waiting_blo
                 now = counts()
                 block = torch.empty(MiB)  # not served: the allocator the pool replaced
                 after = counts()
+                _pool.check_books()
                 served = after.misses + after.hits + after.grown - now.misses - now.hits - now.grown
                 os.write(write, f"{now.cached_bytes} {int(_pool.installed())} {served}".encode())
                 del block
@@ -392,7 +414,183 @@ def test_pool_built_for_another_torch_is_not_used_and_says_so_once() -> None:
 def test_pool_is_off_under_tensorstash_pool_0_and_info_says_why() -> None:
     module, why = _pool.load(environ={"TENSORSTASH_POOL": "0"})
     assert module is None and "TENSORSTASH_POOL=0" in why
+    lease = _pool.lease(MiB)  # installs the pool, where no test did yet
+    assert lease is not None
+    lease.close()
     found = ts.info()
     assert found.pool and found.pool_why == "active"
-    assert "session pool (tensorstash.memory._alloc): active" in str(found)
-    assert "session pool on" in found.line() and "\n" not in found.line()
+    assert found.pool_installed_at is not None and found.pool_installed_after is not None
+    assert found.pool_installed_at <= time.time() and found.pool_installed_after >= 0
+    assert "session pool (tensorstash.memory._alloc): active since " in str(found)
+    assert found.line().endswith("session pool on") and "\n" not in found.line()
+
+
+_NEVER_INSTALLED = """
+import tempfile
+import torch
+from torch import nn
+import tensorstash as ts
+from tensorstash.memory import _pool
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
+x = torch.randn(1024, 256)
+for policy in ("keep", "cpu", "lz4"):  # CPU sessions that free no memory
+    with ts.stash(policy, min_bytes=0):
+        loss = model(x).sum()
+    loss.backward()
+found = ts.info()
+print(_pool.compiled.state(), sum(_pool.counts()[:5]), found.pool, found.pool_why,
+      found.pool_installed_at, "(not installed yet)" in found.line())
+with tempfile.TemporaryDirectory() as d:  # a disk spill past trim_every: the pool goes in
+    with ts.stash(ts.DiskSpill(d, trim_every=1 << 20), min_bytes=0):
+        loss = model(x).sum()
+    loss.backward()
+found = ts.info()
+print(_pool.compiled.state(), found.pool_why, found.pool_installed_at is not None,
+      " since " in str(found), _pool.check_books().live_bytes)
+"""
+
+
+@pytest.mark.slow  # a subprocess
+def test_a_process_that_runs_no_cpu_session_freeing_memory_keeps_pytorchs_cpu_allocator() -> None:
+    # Rule 4: the pool is installed at the first lease, not at import. State 0 is "not
+    # installed, and c10's default CPU allocator is PyTorch's CPU allocator".
+    done = subprocess.run(
+        [sys.executable, "-c", _NEVER_INSTALLED], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = done.stdout.splitlines()
+    assert before.split() == ["0", "0", "True", "ready", "None", "True"]
+    assert after.split() == ["1", "active", "True", "True", "0"]
+
+
+def test_pool_refuses_to_serve_blocks_under_a_page() -> None:
+    with pytest.raises(ValueError, match=r"serve: least=0 bytes .* pass least >= 4096"):
+        extension().serve(MiB, 0)
+    with pytest.raises(ValueError, match=r"least=4095 bytes"):
+        extension().serve(MiB, 4095)
+    assert not _pool.installed()
+
+
+@pytest.mark.parametrize("nbytes", [0, 2**64 - 1, 2**64 - 4096, 2**63])
+def test_pool_passes_empty_and_unroundable_requests_to_the_allocator_it_replaced(
+    nbytes: int,
+) -> None:
+    # A request of 0 bytes, or one whose size rounds past SIZE_MAX to 0, once took a
+    # waiting block "of 0 bytes": its tail at its own address, both handed out and waiting.
+    lease = _pool.lease(4 * MiB)
+    assert lease is not None
+    try:
+        waiting = torch.empty(MiB // 4)
+        del waiting
+        before = counts()
+        assert before.cached_bytes == MiB
+        if nbytes == 0:
+            assert extension()._allocate(0) == 0  # c10's allocator: no block for no bytes
+        else:
+            with pytest.raises(RuntimeError, match="alloc"):  # c10's own error
+                extension()._allocate(nbytes)
+        after = counts()
+        assert after.cached_bytes == MiB and after.live_bytes == before.live_bytes
+        assert (after.hits, after.grown, after.misses) == (before.hits, before.grown, before.misses)
+    finally:
+        lease.close()
+
+
+def test_pool_puts_a_block_back_where_mremap_fails() -> None:
+    lease = _pool.lease(8 * MiB)
+    assert lease is not None
+    try:
+        block = torch.full((MiB // 4,), 7.0)  # 1 MiB
+        del block
+        before = counts()
+        extension()._fail_remaps(1)
+        big = torch.ones(MiB)  # 4 MiB: grow the 1 MiB block; mremap fails, a new mapping
+        after = counts()
+        assert after.grown == before.grown and after.misses == before.misses + 1
+        assert after.cached_bytes == MiB and after.unmapped == before.unmapped  # it waits again
+        again = torch.ones(MiB // 4)  # and serves the next request of its size
+        assert counts().hits == before.hits + 1 and counts().cached_bytes == 0
+        assert bool((big == 1).all()) and bool((again == 1).all())
+    finally:
+        lease.close()
+
+
+# The allocations the pool's books make on a free that waits: a node of the list by
+# age, then one of the list by size; where a block leaves, a slot in the list to unmap.
+@pytest.mark.parametrize(
+    ("after", "failing", "munmap_fails"),
+    [(0, 1, False), (1, 1, False), (0, 2, False), (0, 2, True)],
+    ids=["list-by-age", "list-by-size", "list-to-unmap-too", "list-to-unmap-and-munmap"],
+)
+def test_a_free_whose_books_cannot_grow_unmaps_the_block_and_never_throws(
+    after: int, failing: int, munmap_fails: bool
+) -> None:
+    # A DataPtr's deleter that throws terminates the process; a half-done wait left a
+    # block listed by age but not by size, and the pool's cached bytes then underflowed.
+    lease = _pool.lease(8 * MiB)
+    assert lease is not None
+    try:
+        block = torch.empty(MiB // 4)
+        before = counts()
+        extension()._fail_books(after, failing)
+        extension()._fail_unmaps(2 if munmap_fails else 0)  # at once, and tried again
+        del block  # would wait; its lists cannot grow: it leaves the pool
+        extension()._fail_books(0, 0)
+        now = counts()
+        assert now.cached_bytes == 0 and now.live_bytes == before.live_bytes - MiB
+        if munmap_fails:  # unmapped at once, where nothing was left to list it: stuck
+            assert now.stuck_bytes == MiB and now.unmap_failures == before.unmap_failures + 2
+            assert now.unmapped == before.unmapped
+        else:
+            assert now.unmapped == before.unmapped + 1
+            assert now.unmapped_bytes == before.unmapped_bytes + MiB
+        books = _pool.check_books()
+        assert books is not None and books.stuck_bytes == now.stuck_bytes
+        block = torch.empty(MiB // 4)  # the pool serves on, and a free waits again
+        del block
+        assert counts().cached_bytes == MiB
+    finally:
+        extension()._fail_books(0, 0)
+        lease.close()
+    assert counts().stuck_bytes == 0  # the lease's end unmapped the stuck block too
+
+
+@pytest.mark.parametrize(
+    ("path", "failing"),
+    [("map", 1), ("split", 1), ("split", 2), ("split", 3), ("grow", 1), ("grow", 2)],
+)
+def test_a_request_whose_books_cannot_grow_is_served_and_the_books_add_up(
+    path: str, failing: int
+) -> None:
+    lease = _pool.lease(16 * MiB)
+    assert lease is not None
+    try:
+        if path == "split":
+            waiting = torch.empty(MiB)  # 4 MiB, split below: its tail cannot wait
+            del waiting
+        elif path == "grow":
+            waiting = torch.empty(MiB // 4)  # 1 MiB, grown below: its new place not recorded
+            del waiting
+        before = counts()
+        extension()._fail_books(0, failing)
+        made = torch.full((MiB // 4,) if path == "split" else (MiB,), 3.0)
+        extension()._fail_books(0, 0)
+        after = counts()
+        books = _pool.check_books()
+        assert books is not None and books.recorded_bytes == after.live_bytes + after.cached_bytes
+        left = after.unmapped_bytes - before.unmapped_bytes
+        if path == "map":  # its mapping left; the allocator the pool replaced served it
+            assert after.misses == before.misses and after.live_bytes == before.live_bytes
+            assert left == 4 * MiB
+        elif path == "split":  # the head is handed out, the tail left
+            assert after.hits == before.hits + 1 and after.cached_bytes == 0
+            assert after.live_bytes == before.live_bytes + MiB and left == 3 * MiB
+        else:  # the grown block left; a new mapping served it
+            assert after.grown == before.grown and after.misses == before.misses + 1
+            assert after.live_bytes == before.live_bytes + 4 * MiB and left == 4 * MiB
+        assert bool((made == 3).all())
+        del made
+    finally:
+        extension()._fail_books(0, 0)
+        lease.close()

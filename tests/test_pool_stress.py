@@ -4,13 +4,14 @@ another torch, and another library's CPU allocator.
 
 Each case runs in a process of its own: the pool is PyTorch's CPU allocator for the
 whole process (rule 4), and a case that breaks it must not take the others with it.
+Each ends by checking the pool's books (rule 10), and so do the children it forks.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -20,7 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from cxx import build, compiler
 
+import tensorstash
 from tensorstash.memory import _pool
 
 pytestmark = [
@@ -100,49 +103,21 @@ PyMODINIT_FUNC PyInit__foreign() { return PyModule_Create(&module); }
 @pytest.fixture(scope="module")
 def foreign() -> Path:
     """A folder holding ``_foreign``, built once per source and torch (cached in /tmp)."""
-    key = hashlib.sha256(f"{_FOREIGN}{torch.__version__}{sys.version}".encode()).hexdigest()
-    folder = Path(tempfile.gettempdir()) / "tensorstash-tests" / key[:16]
-    suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    built = folder / f"_foreign{suffix}"
-    if not built.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        source = folder / "_foreign.cpp"
-        source.write_text(_FOREIGN)
-        root = Path(torch.__file__).parent
-        partial = folder / f"_foreign.{os.getpid()}.so"
-        subprocess.run(
-            [
-                os.environ.get("CXX", "g++"),
-                "-O1",
-                "-std=c++17",
-                "-shared",
-                "-fPIC",
-                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-                f"-I{sysconfig.get_paths()['include']}",
-                f"-I{root / 'include'}",
-                str(source),
-                f"-L{root / 'lib'}",
-                "-lc10",
-                "-o",
-                str(partial),
-            ],
-            check=True,
-            capture_output=True,
-            timeout=300,
-        )
-        partial.replace(built)
-    return folder
+    if compiler() is None:
+        pytest.skip("no C++ compiler ($CXX or g++) to build another library's allocator")
+    return build("_foreign", _FOREIGN)
 
 
 def run(code: str, *, common: bool = True, path: Path | None = None, timeout: float = 90) -> str:
-    """Run ``code`` (after ``_COMMON`` where ``common``) as a script in a new interpreter
-    (a file, so that spawn can import it); its stdout, after asserting it exited 0."""
+    """Run ``code`` (after ``_COMMON`` where ``common``, and before ``_BOOKS``) as a script
+    in a new interpreter (a file, so that spawn can import it); its stdout, after asserting
+    it exited 0."""
     env = dict(os.environ, OMP_NUM_THREADS="2")
     if path is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(path), env.get("PYTHONPATH", "")])
     with tempfile.TemporaryDirectory(prefix="ts-pool-stress-") as folder:
         script = Path(folder) / "case.py"
-        script.write_text((_COMMON if common else "") + textwrap.dedent(code))
+        script.write_text((_COMMON if common else "") + textwrap.dedent(code) + _BOOKS)
         done = subprocess.run(
             [sys.executable, str(script)],
             capture_output=True,
@@ -155,6 +130,14 @@ def run(code: str, *, common: bool = True, path: Path | None = None, timeout: fl
     )
     return done.stdout
 
+
+# The end of every case: the pool's books add up (an AssertionError exits 1).
+_BOOKS = """
+import gc as _gc
+from tensorstash.memory import _pool as _checked
+_gc.collect()
+_checked.check_books()
+"""
 
 # Shared by the cases: a disk spill session around a small model, its gradients
 # compared bitwise with plain autograd's.
@@ -253,6 +236,7 @@ def test_a_fork_from_a_thread_while_another_allocates_gives_a_child_that_allocat
                         del blocks[:2]
                         again = torch.full((1 << 18,), 3.0)
                         good = bool((blocks[0] == 2).all()) and bool((again == 3).all())
+                        _pool.check_books()
                         c = _pool.counts()
                         os._exit(0 if good and not _pool.installed() and c.cached_bytes == 0 else 3)
                     except BaseException:
@@ -287,6 +271,7 @@ def test_a_dataloader_with_fork_and_persistent_workers_runs_under_sessions() -> 
                 return 32
 
             def __getitem__(self, i):
+                _pool.check_books()  # in a worker forked while the pool serves
                 return torch.full((1 << 16,), float(i))  # 256 KiB: pool-sized in a batch
 
         torch.manual_seed(0)
@@ -402,6 +387,7 @@ def test_a_spawned_process_gets_a_pool_of_its_own() -> None:
                     loss = model(x).sum()
                 loss.backward()
             same = all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want))
+            _pool.check_books()
             queue.put((same, ts.info().pool, _pool.counts().misses > 0))
 
         if __name__ == "__main__":
@@ -538,6 +524,80 @@ def test_an_allocator_installed_after_the_pool_displaces_it_for_good(foreign: Pa
     assert out.split() == ["False", "True", "True", "0", "True", "False", "0", "True"]
 
 
+def test_the_pool_installed_while_other_threads_allocate_and_take_memory_raw() -> None:
+    # Rule 4: the first lease installs the pool, here while an LSTM (oneDNN's scratch
+    # memory, taken with raw_allocate and given back with raw_deallocate of whichever
+    # allocator is installed then) and plain allocations run on other threads. What
+    # c10's allocator gave before must go back to it, through the pool.
+    out = run(
+        """
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        lstm = nn.LSTM(32, 64, num_layers=2, batch_first=True)
+        x = torch.randn(8, 40, 32)
+        stop = threading.Event()
+
+        def run():
+            with torch.no_grad():
+                while not stop.is_set():
+                    lstm(x)
+
+        def churn():
+            held = []
+            while not stop.is_set():
+                held.append(torch.ones((1 << 16) + 1024 * len(held)))
+                if len(held) > 6:
+                    del held[:3]
+
+        before = _pool.compiled.state()
+        threads = [threading.Thread(target=f) for f in (run, run, churn)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(4)])
+        with tempfile.TemporaryDirectory() as d:
+            ok = all(spilled_step_matches(model, torch.randn(1024, 256), d) for _ in range(3))
+        stop.set()
+        for t in threads:
+            t.join()
+        print(before, _pool.compiled.state(), ok, ts.info().pool_installed_at is not None)
+        """
+    )
+    assert out.split() == ["0", "1", "True", "True"]
+
+
+def test_the_pool_stays_out_where_another_allocator_came_after_import(foreign: Path) -> None:
+    # Rule 4: an allocator installed after tensorstash was imported, but before any
+    # session needed the pool, keeps its place; the pool never goes in.
+    out = run(
+        common=False,
+        code="""
+        import gc, tempfile
+        import torch
+        from torch import nn
+        import tensorstash as ts
+        from tensorstash.memory import _pool
+        import _foreign
+        print(ts.info().pool_why)
+        _foreign.install()
+        torch.set_num_threads(1)
+        lstm = nn.LSTM(32, 64, num_layers=2, batch_first=True)
+        x = torch.randn(8, 40, 32)
+        with tempfile.TemporaryDirectory() as d:
+            for _ in range(5):
+                with ts.stash(ts.DiskSpill(d, trim_every=1 << 16), min_bytes=0):
+                    out, _ = lstm(x.requires_grad_())
+                out.sum().backward()
+        gc.collect()
+        found = ts.info()
+        print(_foreign.current(), _foreign.wrong_frees(), _pool.lease(1 << 20) is None)
+        print(found.pool, found.pool_installed_at, "before a session needed" in found.pool_why)
+        """,
+        path=foreign,
+    )
+    assert out.split() == ["ready", "True", "0", "True", "False", "None", "True"]
+
+
 _RACE = """
 import threading, time
 import torch
@@ -568,6 +628,8 @@ while time.monotonic() < deadline:
 stop.set()
 for t in threads:
     t.join()
+_pool.check_books()
+print(_pool.compiled.__file__)
 print("ok")
 """
 
@@ -578,20 +640,20 @@ print("ok")
 )
 def test_the_pool_has_no_data_race_under_thread_sanitizer(tmp_path: Path) -> None:
     # Every shared field is an atomic or under the lock. Built with -fsanitize=thread, the
-    # pool before issue 47 was reported racing on before_ and least_ (read in allocate,
-    # written in install); torch and libgomp are not instrumented, so reports from them
-    # (OpenMP barriers TSan cannot see) are not the pool's and are left out.
+    # pool was once reported racing on before_ and least_ (read in allocate, written in
+    # install); torch and libgomp are not instrumented, so reports from them (OpenMP
+    # barriers TSan cannot see) are not the pool's and are left out. The threads start
+    # before the first lease installs the pool (rule 4). A copy of the package holds the
+    # instrumented build, and the case checks that it is the one loaded.
     library = subprocess.run(
         ["g++", "-print-file-name=libtsan.so"], capture_output=True, text=True, check=True
     ).stdout.strip()
     if not os.path.isabs(library):
         pytest.skip("no libtsan here")
-    package = Path(_pool.__file__).parent
+    package = Path(tensorstash.__file__).parent
     copy = tmp_path / "tensorstash"
-    copy.mkdir()
-    for file in [*package.glob("*.py"), *package.glob("_fast*.so")]:
-        (copy / file.name).write_bytes(file.read_bytes())
-    (copy / "bench").symlink_to(package / "bench")
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("_alloc*.so", "__pycache__"))
+    built = copy / "memory" / f"_alloc{sysconfig.get_config_var('EXT_SUFFIX')}"
     root = Path(torch.__file__).parent
     subprocess.run(
         [
@@ -599,8 +661,8 @@ def test_the_pool_has_no_data_race_under_thread_sanitizer(tmp_path: Path) -> Non
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             f"-DTENSORSTASH_TORCH_VERSION={json.dumps(torch.__version__)}",
             f"-I{sysconfig.get_paths()['include']}", f"-I{root / 'include'}",
-            str(package / "_alloc.cpp"), f"-L{root / 'lib'}", "-lc10",
-            "-o", str(copy / f"_alloc{sysconfig.get_config_var('EXT_SUFFIX')}"),
+            str(package / "memory" / "_alloc.cpp"), f"-L{root / 'lib'}", "-lc10",
+            "-o", str(built),
         ],
         check=True,
         capture_output=True,
@@ -620,7 +682,7 @@ def test_the_pool_has_no_data_race_under_thread_sanitizer(tmp_path: Path) -> Non
         env=env,
         cwd=tmp_path,
     )
-    assert done.stdout.strip() == "ok", done.stderr[-4000:]
+    assert done.stdout.split() == [str(built), "ok"], done.stderr[-4000:]
     reports = done.stderr.split("WARNING: ThreadSanitizer")[1:]
     ours = [report for report in reports if "_alloc.cpp" in report]
     assert ours == [], ours[0][:4000]

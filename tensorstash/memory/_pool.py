@@ -58,18 +58,27 @@ The measurements behind these rules are in docs/figures/tiers-and-memory.md.
    spill's from rule 2's point until its graph is freed, ``Auto``'s over the
    step its ``Watch`` covers), with the largest cap asked for. It serves
    every thread meanwhile: blocks other threads make are freed through it
-   too, whenever that happens. It becomes PyTorch's CPU allocator once, when
-   this module is imported, and stays it: torch allows ``SetCPUAllocator``
-   only at initialization, and a request on another thread while it runs
-   must reach either the allocator the pool replaces or the pool passing it
-   on, so the pool records that allocator before it is published and never
-   changes it. Leases switch serving on and off (an atomic); between them the
-   pool hands every request to that allocator. It is never swapped back:
-   oneDNN (an LSTM on the CPU, among others) takes scratch memory with
-   ``raw_allocate`` and gives it back with ``raw_deallocate`` of whichever
-   allocator is installed then, and only the pool knows which blocks are its
-   own. It goes in only over c10's default CPU allocator: where another
-   library installed its own first, the pool stays out.
+   too, whenever that happens. It becomes PyTorch's CPU allocator once, at
+   the first lease, and stays it: a process that never runs a CPU session
+   that frees memory (one that uses tensorstash on a GPU only) keeps
+   PyTorch's own, and pays no indirection on its allocations. Installing
+   may happen while other threads allocate (a disk spill's writer takes the
+   first lease): torch's ``SetCPUAllocator`` publishes with a plain store,
+   so a request on another thread meanwhile reaches either the allocator the
+   pool replaces or the pool passing it on; the pool records that allocator
+   before it is published and never changes it. The pool itself is made,
+   inert, when the extension is imported, so that a thread started after
+   ``import tensorstash`` sees it whole whenever it is published (for one
+   started before, a fence orders its making before c10's store). What the replaced allocator
+   gave before the pool came, ``raw_allocate``'d or not, goes back to it:
+   a block the pool did not map is passed on. Leases switch serving on and
+   off (an atomic); between them the pool hands every request to that
+   allocator. It is never swapped back: oneDNN (an LSTM on the CPU, among
+   others) takes scratch memory with ``raw_allocate`` and gives it back with
+   ``raw_deallocate`` of whichever allocator is installed then, and only the
+   pool knows which blocks are its own. It goes in only over c10's default
+   CPU allocator: where another library installed its own first (at its
+   import, or at any time before the first lease), the pool stays out.
 5. It is a C++ extension built against the torch of the environment it is
    installed into (setup.py) and stamped with that torch's version
    (``_alloc.TORCH_VERSION``). The ``c10::Allocator`` interface changes
@@ -80,22 +89,41 @@ The measurements behind these rules are in docs/figures/tiers-and-memory.md.
    keeps it out; :func:`tensorstash.info` says which, and why. Under
    ``LD_PRELOAD``'d jemalloc or tcmalloc the pool serves as well; it is
    Linux only.
-6. Across ``fork`` the pool's lock is held (``pthread_atfork``), so the child
-   gets its lists whole; the child serves nothing, unmaps its copies of the
-   blocks waiting, and counts its high-water mark from what it holds. Leases
-   belong to the parent: the child's ``_caps`` start empty.
+6. Across ``fork`` the pool's lock is held (``pthread_atfork``, registered
+   at install), so the child gets its lists whole; the child serves nothing,
+   unmaps its copies of the blocks waiting, and counts its high-water mark
+   from what it holds. A block another thread was growing at the fork is in
+   none of the child's books (rule 10): the child keeps its copy mapped and
+   never hands it out. Leases belong to the parent: the child's ``_caps``
+   start empty.
 7. Blocks of the pool are not reported to PyTorch's memory profiler.
 8. A library that installs its own CPU allocator after the pool displaces
    it: the pool sees it at its next lease or large request, and serves no
    more, for good (sessions trim). ``raw_allocate`` is not virtual, so the
    pool cannot tell which of its blocks were taken raw; those still in use
    when another allocator comes would be given back through that allocator.
-   Installing at import (rule 4) is what keeps that from happening: a library
-   that installs its allocator when it is imported, as torch asks, displaces
-   the pool before any session made a block.
+   A library that installs its allocator when it is imported, as torch
+   asks, is mostly there before any session needed the pool: the pool then
+   stays out (rule 4), and no block of it can reach another allocator.
 9. A block whose ``munmap`` fails stays mapped, out of every list but the
-   pool's stuck ones, and is unmapped at a later try; ``PoolCounts`` counts
-   the failures and the bytes still stuck.
+   pool's stuck ones (listed in the blocks' own first bytes, so that a
+   failed ``munmap`` needs no memory), and is unmapped at a later try;
+   ``PoolCounts`` counts the failures and the bytes still stuck.
+10. The books (``sizes_`` in ``_alloc.cpp``) hold every block handed out or
+   waiting. An address enters them only once its range is mapped, and
+   leaves them before its range is unmapped or moved (``mremap``): the
+   moment a range is gone, the kernel may hand its address to another
+   thread's ``mmap``, whose block must not lose its record to a late erase
+   (that block would be handed to ``free()`` when freed, and corrupt the
+   heap). An address entered twice aborts the process with a message that
+   names the bug, before the heap can be corrupted. The books never throw:
+   where a container cannot grow (``bad_alloc``), a block that would wait
+   leaves the pool, a block to unmap later is unmapped at once, and a
+   request passes on to the allocator the pool replaced, so a ``DataPtr``'s
+   deleter never throws and a list is never changed by half. A block whose
+   ``mremap`` fails waits again. :func:`check_books` checks that what the
+   books record adds up to what is in use and what waits; the tests call it
+   after every case.
 """
 
 from __future__ import annotations
@@ -104,6 +132,7 @@ import importlib
 import os
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Mapping
 from types import ModuleType
@@ -111,12 +140,13 @@ from typing import NamedTuple
 
 import torch  # loads libc10, which _alloc needs
 
+from tensorstash.core.policy import bug
+
 _STATES = {
-    0: "the session pool is not installed",
-    2: "another CPU allocator than c10's default was installed before tensorstash was "
-    "imported: the session pool stays out (rule 4)",
+    2: "another CPU allocator than c10's default was installed before a session needed the "
+    "session pool: it stays out (rule 4)",
     3: "c10 kept a CPU allocator installed with a higher priority (rule 4)",
-    4: "another library installed its own CPU allocator after tensorstash: the session pool "
+    4: "another library installed its own CPU allocator after the session pool: the pool "
     "serves no more (rule 8)",
 }
 
@@ -126,8 +156,9 @@ def load(
     torch_version: str = torch.__version__,
     name: str = "tensorstash.memory._alloc",
 ) -> tuple[ModuleType | None, str]:
-    """Load and install the session pool (rules 4 and 5): the extension and "active",
-    or None and why not. Warns once where the extension was built for another torch."""
+    """Load the session pool (rule 5), installing nothing (the first lease does, rule 4):
+    the extension and "loaded", or None and why not. Warns once where the extension was
+    built for another torch."""
     if environ.get("TENSORSTASH_POOL", "") == "0":
         return None, "turned off by TENSORSTASH_POOL=0"
     if not sys.platform.startswith("linux"):
@@ -144,10 +175,7 @@ def load(
     built_for = getattr(module, "TORCH_VERSION", "an unknown version")
     if built_for != torch_version:
         return None, _warned(f"built for torch {built_for}, but torch {torch_version} runs")
-    state = module.install()
-    if state != 1:
-        return None, _STATES.get(state, f"unknown state {state}")
-    return module, "active"
+    return module, "loaded"
 
 
 def _warned(why: str) -> str:
@@ -163,6 +191,11 @@ def _warned(why: str) -> str:
 
 compiled: ModuleType | None
 compiled, _why = load()
+_loaded_at = time.time()
+
+installed_at: float | None = None
+"""When the pool became PyTorch's CPU allocator (``time.time()``), at the first lease
+(rule 4); None until then, and where it cannot."""
 
 del torch
 
@@ -228,17 +261,72 @@ def installed() -> bool:
 
 
 def status() -> tuple[bool, str]:
-    """Whether the pool can serve sessions, and "active" or why not (rule 5)."""
+    """Whether the pool can serve sessions, and "active" (installed), "ready" (not
+    installed yet: no session needed it, rule 4) or why not (rule 5)."""
     if compiled is None:
         return False, _why
     state = compiled.state()
+    if state == 0:
+        return True, "ready"
     if state != 1:
         return False, _STATES.get(state, f"unknown state {state}")
     return True, "active"
 
 
+def installed_after() -> float | None:
+    """Seconds from loading the pool (``import tensorstash``) to installing it, or None
+    where it is not installed (rule 4)."""
+    return None if installed_at is None else installed_at - _loaded_at
+
+
+class Books(NamedTuple):
+    """The pool's books (rule 10), as :func:`check_books` found them.
+
+    Attributes:
+        recorded_bytes: the sizes of the blocks the pool records.
+        live_bytes: of the blocks in use.
+        cached_bytes: of the blocks waiting.
+        stuck_bytes: of the blocks whose ``munmap`` failed (rule 9), recorded apart.
+    """
+
+    recorded_bytes: int
+    live_bytes: int
+    cached_bytes: int
+    stuck_bytes: int
+
+
+def check_books() -> Books | None:
+    """Check the pool's books (rule 10): the blocks recorded add up to those in use
+    plus those waiting, each block waiting is listed by age and by size, and no two
+    blocks overlap. None where there is no pool.
+
+    Raises:
+        AssertionError: where they do not add up (a bug in tensorstash).
+    """
+    if compiled is None:
+        return None
+    recorded, live, cached, stuck, wrong = compiled._check()
+    if wrong:
+        raise bug(f"the session pool's books: {wrong}")
+    return Books(recorded, live, cached, stuck)
+
+
 _lock = threading.RLock()  # a lease freed by the collector may close under it
 _caps: dict[int, int] = {}  # lease id -> the cap it asked for
+
+
+def _install(pool: ModuleType) -> bool:
+    """Under ``_lock``: make ``pool`` PyTorch's CPU allocator, once (rule 4); whether
+    it is. Where it cannot be (another allocator is there), it is off for good."""
+    global compiled, _why, installed_at
+    if installed_at is not None:
+        return True
+    state = pool.install()
+    if state != 1:
+        compiled, _why = None, _STATES.get(state, f"unknown state {state}")
+        return False
+    installed_at = time.time()
+    return True
 
 
 class Lease:
@@ -269,12 +357,15 @@ _next_id = iter(range(1, 1 << 62))
 
 def lease(cap: int) -> Lease | None:
     """Serve CPU blocks from the pool until the lease is closed, keeping up to ``cap``
-    bytes of freed blocks (rule 1). None where there is no pool (rule 5) or another
-    allocator displaced it (rule 8)."""
+    bytes of freed blocks (rule 1); the first installs the pool (rule 4). None where
+    there is no pool (rule 5), another allocator was there first (rule 4) or
+    displaced it (rule 8)."""
     if compiled is None:
         return None
     pool = compiled
     with _lock:
+        if not _install(pool):
+            return None
         lease_id = next(_next_id)
         _caps[lease_id] = cap
         if not pool.serve(max(_caps.values()), LEAST):
