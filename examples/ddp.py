@@ -56,4 +56,8 @@ def main(directory: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="tensorstash-ddp-"))
+    if len(sys.argv) > 1:
+        main(sys.argv[1])
+    else:  # the ranks' store file and spill directories, removed with it
+        with tempfile.TemporaryDirectory(prefix="tensorstash-ddp-") as scratch:
+            main(scratch)

@@ -8,6 +8,8 @@ Example:
     >>> print(session.stats.table())
 """
 
+# First: torch, without its warning where numpy is not installed (_torch.py).
+from tensorstash import _torch  # noqa: F401  # isort: skip
 from tensorstash import _aliases
 from tensorstash._info import info
 from tensorstash.core.policy import Chain, Context, Defer, Keep, Packed, Policy

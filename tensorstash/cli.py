@@ -31,6 +31,7 @@ from tensorstash.bench.loop import (
     train_alone,
 )
 from tensorstash.bench.planning import make_plan_run
+from tensorstash.bench.rounds import LEARNING_ROUNDS
 
 
 def _policy_list(text: str) -> list[str]:
@@ -90,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tensorstash",
         description="Move the tensors autograd saves for backward out of the way.",
     )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"tensorstash {tensorstash.__version__} (torch {torch.__version__})",
+        help="print tensorstash's version and torch's, and exit",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     run = commands.add_parser(
         "bench",
@@ -148,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup",
         type=_non_negative_int,
         default=None,
-        help="untimed rounds first; Auto learns its plan in them (default 2)",
+        help="untimed rounds first; Auto learns its plan in them (default 2), and up to "
+        f"{LEARNING_ROUNDS} more run while Auto still learns its plan (the table's title "
+        "says how many ran)",
     )
     run.add_argument(
         "--threads",

@@ -12,6 +12,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,12 +282,52 @@ def assert_went_to(session: Any, tier: str) -> None:
         assert counts[other] == 0, f"tensors reached tier {other!r}, expected {tier!r}:\n{table}"
 
 
-def moved_by_eager_hooks(session: Any, tier: str) -> int:
+class Stows:
+    """The tensors compiled plans' carries stowed inside their graphs (rule 12 of NOTE
+    [ Compiled code ]), per session, while :func:`counting_stows` runs."""
+
+    def __init__(self) -> None:
+        self._by_context: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+    def add(self, ctx: Any) -> None:
+        self._by_context[ctx] = self._by_context.get(ctx, 0) + 1
+
+    def of(self, session: Any) -> int:
+        """The tensors ``session``'s carry stowed (they rest in its disk tier)."""
+        return self._by_context.get(session._ctx, 0)
+
+
+@contextlib.contextmanager
+def counting_stows() -> Iterator[Stows]:
+    """Count each tensor a compiled graph stows, by the session it stows for: the stow
+    asks ``compiler.stow_target()`` for that session's tier and context, once a tensor."""
+    from tensorstash.planning import compiler
+
+    stows, target = Stows(), compiler.stow_target
+
+    def counted() -> tuple[Any, Any] | None:
+        found = target()
+        if found is not None:
+            stows.add(found[1])
+        return found
+
+    compiler.stow_target = counted
+    try:
+        yield stows
+    finally:
+        compiler.stow_target = target
+
+
+def moved_by_eager_hooks(session: Any, tier: str, stows: Stows) -> int:
     """The tensors a session's stats count in ``tier`` that eager hooks moved: all of
-    them, less what a compiled plan's carry wrote to disk inside its graphs (rule 12 of
-    NOTE [ Compiled code ])."""
-    carried = session.plan is not None and getattr(session.plan, "moving", 0) > 0
-    return 0 if carried and tier == "disk" else tier_counts(session)[tier]
+    them, less, on disk, those its compiled plan's carry stowed inside the graphs
+    (``stows``, from :func:`counting_stows` around the session's step)."""
+    counted = tier_counts(session)[tier]
+    if tier != "disk":
+        return counted
+    stowed = stows.of(session)
+    assert stowed <= counted, f"{stowed} stowed, {counted} counted on disk"
+    return counted - stowed
 
 
 # -- the README ---------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -207,6 +209,27 @@ def test_select_rejects_a_rule_that_is_not_callable() -> None:
 def test_select_cannot_be_a_chain_stage() -> None:
     with pytest.raises(TypeError, match="cannot be a stage"):
         ts.Chain(ts.Select(lambda t, m: "keep"), ts.DiskSpill())
+
+
+@pytest.mark.parametrize(
+    "chosen",
+    [
+        lambda: ts.Auto(),
+        lambda: "auto",
+        lambda: ts.Select(lambda t, m: "keep"),
+        lambda: ts.Defer(ts.Auto(), window=0),
+    ],
+    ids=["Auto", "auto-name", "Select", "Defer-Auto"],
+)
+def test_select_rule_returning_a_selector_says_what_to_return(chosen: Callable[[], Any]) -> None:
+    x = torch.randn(128, 128, requires_grad=True)
+    select = ts.Select(lambda t, m: chosen())
+    with pytest.raises(TypeError) as raised, ts.stash(select, min_bytes=0):
+        (x * 2).sin()
+    message = str(raised.value)
+    assert message.startswith("tensorstash.Select: the rule returned"), message
+    assert "a selector" in message and "return a policy" in message, message
+    assert "Chain" not in message.split(";")[0], message  # not about a stage of a Chain
 
 
 def test_stash_defaults_to_auto() -> None:

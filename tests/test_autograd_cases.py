@@ -9,6 +9,7 @@ sessions and dedupe of a tensor saved twice.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,9 @@ from zoo import Boom, Case, Explodes, embedding, mlp, tanh_mlp, transformer, wid
 import tensorstash as ts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+REPEATS = 3
 
 
 def stash(policy: Any) -> Any:
@@ -398,6 +402,85 @@ def test_stash_decorator_pops_hooks(policy: Any) -> None:
 
     forward()
     assert top_saved_tensors_hooks() is None
+
+
+DEPTH = 3
+
+
+def recursive_step(case: Case, session: Any = None) -> GradMap:
+    """A step whose forward applies the model ``DEPTH + 1`` times through a function that
+    calls itself, decorated with ``session`` (plain autograd without): its gradients."""
+
+    def deep(depth: int, x: Tensor) -> Tensor:
+        y = case.model(x)
+        return y if depth == 0 else forward(depth - 1, y)
+
+    forward = deep if session is None else session(deep)
+    case.model.zero_grad(set_to_none=True)
+    leaves = fresh_inputs(case.inputs)
+    torch.manual_seed(SEED)
+    case.loss(forward(DEPTH, *leaves)).backward()
+    return collect_grads(case.model, leaves)
+
+
+def test_stash_decorated_function_calls_itself_grads_equal_plain(
+    spec: PolicySpec, policy: Any, spill_dirs: list[Path]
+) -> None:
+    expected = recursive_step(transformer())
+    session = stash(policy)
+    assert_grads_equal(expected, recursive_step(transformer(), session))
+    assert_went_to(session, spec.tier)
+    once, case = stash(policy), transformer()
+    with once:  # one application of the model, as each call makes
+        case.model(*fresh_inputs(case.inputs))
+    assert sum(tier_counts(session).values()) == (DEPTH + 1) * sum(tier_counts(once).values())
+    leak_check(session, once, directories=spill_dirs)
+
+
+def test_stash_decorated_function_on_two_threads_at_once_grads_equal_plain(
+    spec: PolicySpec, policy: Any, spill_dirs: list[Path]
+) -> None:
+    expected = run_case(mlp())
+    once = stash(policy)
+    run_case(mlp(), once)
+    cases = [mlp(), mlp()]  # a model each: backward accumulates into its parameters
+    both_open = threading.Barrier(2, timeout=60)
+    session = stash(policy)
+
+    @session
+    def forward(case: Case, *inputs: Tensor) -> Tensor:
+        loss = case.loss(case.model(*inputs))
+        both_open.wait()  # each thread's call holds its session open here at once
+        return loss
+
+    grads: list[list[GradMap]] = [[], []]
+    errors: list[BaseException] = []
+
+    def steps(index: int) -> None:
+        case = cases[index]
+        try:
+            for _ in range(REPEATS):
+                case.model.zero_grad(set_to_none=True)
+                leaves = fresh_inputs(case.inputs)
+                forward(case, *leaves).backward()
+                grads[index].append(collect_grads(case.model, leaves))
+        except BaseException as error:  # reported on the main thread
+            errors.append(error)
+            both_open.abort()
+
+    threads = [threading.Thread(target=steps, args=(index,)) for index in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, f"a thread failed: {errors[0]!r}"
+    for actual in (*grads[0], *grads[1]):
+        assert_grads_equal(expected, actual)
+    assert len(grads[0]) == len(grads[1]) == REPEATS
+    assert_went_to(session, spec.tier)
+    total = sum(tier_counts(session).values())
+    assert total == 2 * REPEATS * sum(tier_counts(once).values()), session.stats.table()
+    leak_check(session, once, directories=spill_dirs)
 
 
 # -- nested sessions -------------------------------------------------------------------

@@ -3,6 +3,7 @@ meters and the figure. The whole runs are in test_bench.py."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import mmap
 import os
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+import tensorstash as ts
 from tensorstash import bench
 from tensorstash.bench import plot as _plot
 from tensorstash.bench.measure import StepResult
@@ -83,6 +85,30 @@ def test_table_names_the_budget_a_compiled_plan_advises() -> None:
     asked = "auto:25%: the compiler is asked for activation_memory_budget=0.1"
     assert f"{asked}\nauto:25%: {advice}" in table
     assert bench.Row.from_dict(auto.to_dict()).plan_advice == advice
+
+
+@pytest.mark.parametrize(
+    ("warmup_steps", "says"),
+    [
+        (2, "medians of 1 timed round(s) after 2 warm-up round(s)"),
+        (5, "medians of 1 timed round(s) after 2 warm-up round(s) and 3 more while Auto learned"),
+    ],
+)
+def test_title_says_which_untimed_rounds_ran_and_why(warmup_steps: int, says: str) -> None:
+    row = _row("auto:50%", 1.0, 1, step_times=(1.0,), warmup_steps=warmup_steps)
+    title = bench.format_title("tiny", "cpu", "float32", [row], threads=1, warmup=2)
+    assert title.endswith(says) if warmup_steps == 2 else says in title, title
+
+
+def test_cli_version_names_tensorstash_and_torch(capsys: pytest.CaptureFixture[str]) -> None:
+    from tensorstash.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out == f"tensorstash {ts.__version__} (torch {torch.__version__})\n"
+    assert ts.__version__ == importlib.metadata.version("tensorstash")  # one version
 
 
 def test_pareto_front_keeps_what_nothing_beats() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from checks import leak_check, moved_by_eager_hooks
+from checks import counting_stows, leak_check, moved_by_eager_hooks
 from torch import nn
 
 import tensorstash as ts
@@ -100,7 +100,9 @@ def test_compiled_grads_bitwise(
     # Parameters are leaves that require grad: never moved, even from a compiled graph.
     rows = session.decisions
     weights = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
-    assert all(row["tier"] == "kept" for row in rows if tuple(row["shape"]) in weights)
+    saved_weights = [row for row in rows if tuple(row["shape"]) in weights]
+    assert len(saved_weights) >= len(weights), "the graph saved weights the session never saw"
+    assert all(row["tier"] == "kept" and row["reason"] == "parameter" for row in saved_weights)
     assert {row["module"] for row in rows} == {"Sequential"}
 
 
@@ -246,11 +248,13 @@ def test_auto_plans_compiled_code_with_the_partitioners_budget(fresh_dynamo: Any
     first = plan.trials[0]
     assert first.setting == 1.0 and first.kept_bytes is not None and first.kept_bytes > 256 << 10
     graphs = _graphs()
-    more, tail = _train(model, fn, auto, 2, profile)
+    with counting_stows() as stows:
+        more, tail = _train(model, fn, auto, 2, profile)
     assert _graphs() == graphs and all(s.plan.setting == plan.setting for s in more)
     # No eager hook saw a compiled graph's tensors: nothing was moved or counted, but
     # what a carry (rule 12) writes to disk inside the graphs.
-    assert sum(moved_by_eager_hooks(more[-1], tier) for tier in TIERS) == 0
+    assert (stows.of(more[-1]) > 0) == (plan.moving > 0), (stows.of(more[-1]), plan.table())
+    assert sum(moved_by_eager_hooks(more[-1], tier, stows) for tier in TIERS) == 0
     assert functorch_config.activation_memory_budget == 1.0  # the user's value is back
 
     def at_setting(graph: Any, inputs: Any) -> Any:
@@ -316,14 +320,16 @@ def test_auto_plans_compiled_graphs_that_draw_random_numbers_with_their_draws_sa
     fn = _compiled_fn(model)
     _, reference = _train(model, fn, None, 1, None)
     profile = ts.Profile()
-    sessions, grads = _train(model, fn, ts.Auto(device_budget=64 << 10), 12, profile)
+    with counting_stows() as stows:
+        sessions, grads = _train(model, fn, ts.Auto(device_budget=64 << 10), 12, profile)
     for got in grads:
         assert all(torch.equal(a, b) for a, b in zip(got, reference[0], strict=True))
     plan = sessions[-1].plan
     assert plan.random and plan.settled and plan.setting is not None and plan.setting < 1.0
     assert 0.0 not in [t.setting for t in plan.trials]  # 0 recomputes random ops too
     assert "random ops saved (dropout's draws kept" in plan.table()
-    assert sum(moved_by_eager_hooks(sessions[-1], tier) for tier in TIERS) == 0
+    assert (stows.of(sessions[-1]) > 0) == (plan.moving > 0), plan.table()
+    assert sum(moved_by_eager_hooks(sessions[-1], tier, stows) for tier in TIERS) == 0
 
     def compilers_own(graph: Any, inputs: Any) -> Any:
         with functorch_config.patch(activation_memory_budget=plan.setting):

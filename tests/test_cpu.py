@@ -143,13 +143,17 @@ def test_pinned_pool_close_waits_for_pending_copies() -> None:
     assert copy.waited and pool.cached_bytes == 0
 
 
-def test_cpu_offload_keeps_cpu_tensors_and_says_so() -> None:
+def test_cpu_offload_keeps_cpu_tensors_and_says_so_not_as_a_fallback() -> None:
     x = torch.randn(256, 256, requires_grad=True)
     with ts.stash(ts.CpuOffload(), min_bytes=0) as session:
         y = (x * 2).sin()
     y.sum().backward()
-    assert session.stats.fallbacks["already on host"] == 1
-    assert session.stats.to_dict()["tiers"]["kept"]["tensors"] == 1
+    data = session.stats.to_dict()
+    assert data["nothing_to_do"] == {"already in host memory (CpuOffload)": 1}
+    assert data["fallbacks"] == {} and data["tiers"]["kept"]["tensors"] == 1
+    table = session.stats.table()
+    assert "nothing to do: already in host memory (CpuOffload): 1" in table, table
+    assert "fallbacks" not in table, table
     assert torch.equal(x.grad, 2 * (x * 2).cos())
 
 

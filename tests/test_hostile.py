@@ -124,6 +124,17 @@ BAD_ARGUMENTS: list[Any] = [
         TypeError,
         "device_probe",
     ),
+    ("profile-measure-zero", lambda p: ts.Profile(measure_steps=0), ValueError, ">= 1"),
+    ("profile-measure-float", lambda p: ts.Profile(measure_steps=2.5), TypeError, "whole"),
+    ("profile-measure-bool", lambda p: ts.Profile(measure_steps=True), TypeError, "whole"),
+    ("profile-remeasure-negative", lambda p: ts.Profile(remeasure_every=-1), ValueError, ">= 0"),
+    ("profile-remeasure-str", lambda p: ts.Profile(remeasure_every="25"), TypeError, "whole"),
+    ("profile-stall-negative", lambda p: ts.Profile(stall_s=-0.001), ValueError, ">= 0"),
+    ("profile-stall-nan", lambda p: ts.Profile(stall_s=math.nan), ValueError, "finite"),
+    ("profile-stall-inf", lambda p: ts.Profile(stall_s=math.inf), ValueError, "finite"),
+    ("profile-stall-str", lambda p: ts.Profile(stall_s="2ms"), TypeError, "seconds"),
+    ("profile-memory-int", lambda p: ts.Profile(measure_memory=1), TypeError, "True or False"),
+    ("profile-clock-float", lambda p: ts.Profile(clock=0.0), TypeError, "clock()"),
 ]
 
 
@@ -140,6 +151,13 @@ def test_bad_argument_fails_at_construction_saying_what_to_do(
     message = str(raised.value)
     assert message.startswith("tensorstash."), f"the message should name the API: {message}"
     assert words in message, f"{words!r} not in {message!r}"
+
+
+def test_profile_takes_no_learned_state_as_an_argument() -> None:
+    with pytest.raises(TypeError, match="steps"):
+        ts.Profile(steps=5)  # type: ignore[call-arg]
+    profile = ts.Profile(measure_steps=1, remeasure_every=0, stall_s=0, measure_memory=False)
+    assert (profile.measure_steps, profile.remeasure_every, profile.steps) == (1, 0, 0)
 
 
 def test_disk_spill_refuses_a_world_writable_directory_for_auto_too(tmp_path: Path) -> None:

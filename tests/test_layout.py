@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,57 @@ def test_old_from_imports_of_public_names_work_in_a_fresh_process() -> None:
         "assert callable(ts.stash) and ts.stash is stash and callable(ts.recompute)\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+
+
+NO_NUMPY = """
+import importlib.machinery
+
+_find = importlib.machinery.PathFinder.find_spec.__func__
+
+def _find_spec(cls, name, path=None, target=None):
+    if name == "numpy" or name.startswith("numpy."):
+        return None  # as where numpy is not installed
+    return _find(cls, name, path, target)
+
+importlib.machinery.PathFinder.find_spec = classmethod(_find_spec)
+"""
+"""A sitecustomize.py that hides numpy from a new process, as the base install has none."""
+
+STOW_AND_FETCH = """
+from tensorstash.planning import _stowing
+import torch
+x = torch.randn(256, 256)
+token, fetched = _stowing.stow(x, "disk"), []
+w = torch.ones(1, requires_grad=True)
+w.register_hook(lambda grad: fetched.append(_stowing.fetch(token)))  # in a backward
+(w * 2).sum().backward()
+assert torch.equal(fetched[0], x)
+"""
+
+
+@pytest.mark.slow  # new Python processes
+def test_tensorstash_without_numpy_prints_no_numpy_warning_and_needs_none(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text(NO_NUMPY)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONWARNINGS": "default"}
+
+    def run(script: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+        )
+
+    def stderr_of(script: str) -> str:
+        done = run(script)
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+
+    # The checks can fail: numpy is hidden, and torch alone warns without it.
+    assert "No module named 'numpy'" in run("import numpy").stderr
+    assert "Failed to initialize NumPy" in stderr_of("import torch")
+    quiet = stderr_of("import tensorstash as ts, torch; assert ts.stash; torch.zeros(2).sum()")
+    assert "NumPy" not in quiet, quiet
+    assert "NumPy" not in stderr_of("import tensorstash.cli")  # the command's first import
+    # A compiled plan's stowed values come back without numpy (its token's bytes).
+    assert "NumPy" not in stderr_of(STOW_AND_FETCH)
 
 
 def _layer(module: str) -> str | None:

@@ -1554,7 +1554,8 @@ def test_plan_spills_every_site_where_that_is_as_fast_and_its_steps_held_less(
     else:  # the spills held more: the plan that only recomputes stays
         assert plan.recompute == ("a",) and not plan.tiers
     if spilled_peak_mib is None:  # a profile that takes no real peak never tries it
-        unmeasured = dataclasses.replace(profile, measure_memory=False)
+        unmeasured = copy.copy(profile)  # what it measured, with no real peak taken
+        unmeasured.measure_memory = False
         plan = make_plan(unmeasured, 9 * MiB, trims=True)
         assert plan is not None and plan.recompute == ("a",) and not plan.tiers
 

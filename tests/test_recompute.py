@@ -213,8 +213,56 @@ def test_recompute_rejects_what_is_not_callable() -> None:
 
 
 def test_recompute_modules_names_missing_submodules() -> None:
-    with pytest.raises(ValueError, match="not submodules"):
+    with pytest.raises(ValueError, match=r"\['blocks.9'\] name no submodule.*Block"):
         ts.recompute_modules(fresh(), ["blocks.9"])
+
+
+def test_recompute_modules_takes_a_string_as_one_path() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(32, 32) for _ in range(12)))
+    x = torch.randn(4, 32, requires_grad=True)
+    model(x).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    assert ts.recompute_modules(model, "10") == ["10"]
+    assert [i for i, layer in enumerate(model) if "forward" in vars(layer)] == [10]
+    model(x).sum().backward()
+    assert_equal(expected, [p.grad for p in model.parameters()])
+
+
+@pytest.mark.parametrize("which", ["Block", ("Block",), ["blocks.0", "Block"], {Block}])
+def test_recompute_modules_takes_class_names_as_never_recompute_does(which: object) -> None:
+    expected = grads(fresh())
+    model = fresh()
+    assert ts.recompute_modules(model, which) == [f"blocks.{i}" for i in range(4)]  # type: ignore[arg-type]
+    assert_equal(expected, grads(model))
+
+
+def test_recompute_modules_path_covers_the_modules_inside_it() -> None:
+    model = fresh()
+    assert ts.recompute_modules(model, ["blocks.1", "blocks.1.fc1", "LayerNorm"]) == [
+        "blocks.0.norm",
+        "blocks.1",
+        "blocks.2.norm",
+        "blocks.3.norm",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("which", "message"),
+    [
+        (10, r"which must be a submodule path or class name.*got int 10"),
+        (b"blocks.0", r"which must be a submodule path.*got bytes"),
+        ([1, 2], r"1 is not a submodule path, a class name or an nn.Module class"),
+        ([torch.Tensor], r"is not a submodule path"),
+        (nn.Linear(2, 2), r"module instance \(Linear\).*tensorstash.recompute\(module\)"),
+    ],
+)
+def test_recompute_modules_refuses_what_names_no_module(which: object, message: str) -> None:
+    model = fresh()
+    with pytest.raises(TypeError, match=message):
+        ts.recompute_modules(model, which)  # type: ignore[arg-type]
+    assert not any("forward" in vars(module) for module in model.modules())
 
 
 class FakeEvent:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -184,6 +185,100 @@ def test_stash_works_as_a_decorator_more_than_once() -> None:
     stashed(x).backward()
     assert torch.equal(x.grad, expected)
     assert session.stats.to_dict()["tiers"]["disk"]["tensors"] == 2
+    assert not hooks_pushed()
+
+
+def test_session_entered_inside_itself_raises_and_says_what_to_do() -> None:
+    x = torch.randn(128, 128, requires_grad=True)
+    session = ts.stash("disk", min_bytes=0)
+    with session:
+        y = (x * 2).sin()
+        with pytest.raises(RuntimeError, match=r"open already on this thread.*decorate"), session:
+            pass
+        z = (y * 3).cos()
+    z.sum().backward()
+    expected = x.detach().clone().requires_grad_()
+    ((expected * 2).sin() * 3).cos().sum().backward()
+    assert torch.equal(x.grad, expected.grad)
+    assert session.stats.to_dict()["tiers"]["disk"]["tensors"] == 2
+    assert not hooks_pushed()
+    with session:  # closed again: it opens as before
+        assert hooks_pushed()
+
+
+def test_session_entered_on_two_threads_at_once_raises_on_the_second() -> None:
+    session = ts.stash("disk", min_bytes=0)
+    opened, tried = threading.Event(), threading.Event()
+    seen: list[BaseException] = []
+
+    def other() -> None:
+        assert opened.wait(30)
+        try:
+            with session:
+                pass
+        except RuntimeError as error:
+            seen.append(error)
+        tried.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    x = torch.randn(128, 128, requires_grad=True)
+    with session:
+        opened.set()
+        assert tried.wait(30)
+        y = (x * 2).sin()
+    thread.join(30)
+    y.sum().backward()
+    assert len(seen) == 1 and "open on another thread" in str(seen[0]), seen
+    assert "decorate the function" in str(seen[0])
+    assert session.stats.to_dict()["tiers"]["disk"]["tensors"] == 1
+
+
+def test_decorated_function_calls_itself_under_pause_in_a_session_of_its_own() -> None:
+    session = ts.stash("disk", min_bytes=0)
+    seen: list[bool] = []
+
+    @session
+    def deep(depth: int, x: torch.Tensor) -> torch.Tensor:
+        seen.append(hooks_pushed())
+        y = (x * 2).sin()
+        if depth == 0:
+            return y
+        with ts.pause():  # the call inside opens its own session: nothing else is pushed
+            return deep(depth - 1, y)
+
+    x = torch.randn(64, 64, requires_grad=True)
+    deep(2, x).sum().backward()
+    expected = x.detach().clone().requires_grad_()
+    (((expected * 2).sin() * 2).sin() * 2).sin().sum().backward()
+    assert torch.equal(x.grad, expected.grad)
+    assert seen == [True, True, True]
+    assert session.stats.to_dict()["tiers"]["disk"]["tensors"] == 3
+    assert not hooks_pushed()
+
+
+def test_decorated_function_with_a_profile_on_two_threads_at_once_raises() -> None:
+    model = torch.nn.Linear(64, 64)
+    session = ts.stash("auto", profile=ts.Profile())
+    opened, tried = threading.Event(), threading.Event()
+
+    @session
+    def forward(x: torch.Tensor, wait: bool) -> torch.Tensor:
+        if wait:
+            opened.set()
+            assert tried.wait(30)
+        return model(x).sum()
+
+    thread = threading.Thread(target=lambda: forward(torch.randn(8, 64), True).backward())
+    thread.start()
+    assert opened.wait(30)
+    try:
+        with pytest.raises(RuntimeError, match="profile measures one step at a time"):
+            forward(torch.randn(8, 64), False)
+    finally:
+        tried.set()
+        thread.join(30)
+    forward(torch.randn(8, 64), False).backward()  # one at a time: as before
     assert not hooks_pushed()
 
 

@@ -13,6 +13,7 @@ def _two() -> tuple[ts.StashStats, ts.StashStats]:
     second.add("host", 3000, 750)
     second.add("disk", 500, 500)
     second.fallback("incompressible")
+    second.count_nothing_to_do("already in host memory (CpuOffload)")
     second.timed("wait", 0.5)
     return first, second
 
@@ -25,6 +26,7 @@ def test_combined_adds_counters_and_keeps_the_largest_peak_of_sessions_in_turn()
     assert total.tiers["disk"].tensors == 1 and total.tiers["kept"].bytes == 64
     assert total.compression_ratio == (4000 + 500) / (1000 + 500)
     assert total.skipped == {"parameter": 1} and total.fallbacks == {"incompressible": 1}
+    assert total.nothing_to_do == {"already in host memory (CpuOffload)": 1}
     assert total.wait_seconds == 0.5 and total.decisions == [{"module": "a", "tier": "host"}]
 
 

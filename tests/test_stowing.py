@@ -7,11 +7,12 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from checks import leak_check
+from checks import counting_stows, leak_check, moved_by_eager_hooks
 from torch import fx, nn
 
 from tensorstash.core.policy import Context
@@ -100,6 +101,29 @@ def test_stowed_tensors_come_back_bitwise_and_leave_no_file(
     gc.collect()
     assert len(_stowing._HELD) == 0, "a stowed value outlived its graph"
     assert ctx.stats.live_bytes == 0
+    leak_check(directories=[tmp_path])
+
+
+def test_eager_hooks_disk_count_leaves_out_exactly_what_the_graphs_stowed(
+    fresh_dynamo: None, tmp_path: Path
+) -> None:
+    """The tests' check of what eager hooks moved (``checks.moved_by_eager_hooks``) takes
+    off a session's disk count the tensors its graphs stowed, and nothing more: a tensor an
+    eager hook spilled beside them still counts."""
+    model = _model()
+    fn = torch.compile(lambda x: model(x).square().mean(), backend="aot_eager_decomp_partition")
+    session = SimpleNamespace(_ctx=Context(StashStats()))
+    session.stats = session._ctx.stats
+    with counting_stows() as stows:
+        _, moved = _stowing_step(model, fn, tmp_path, 1 << 20, session._ctx)
+    assert moved > 0 and stows.of(session) == session.stats.tiers["disk"].tensors > 0
+    assert moved_by_eager_hooks(session, "disk", stows) == 0
+    spill = DiskSpill(tmp_path, background=False)
+    packed = spill.pack(torch.randn(256, 256), session._ctx)  # as an eager hook spills
+    session._ctx.account(packed)
+    assert moved_by_eager_hooks(session, "disk", stows) == 1
+    del packed
+    gc.collect()
     leak_check(directories=[tmp_path])
 
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 from checks import (
     assert_grads_equal,
+    counting_stows,
     leak_check,
     model_policy_params,
     moved_by_eager_hooks,
@@ -119,9 +120,12 @@ def test_compiled_zoo_under_auto_plans_through_the_compiler_bitwise(
     graphs = _graphs()
     for _ in range(2):
         session = ts.stash(auto, profile=profile)
-        assert_grads_equal(expected, run_case(case, session))
+        with counting_stows() as stows:
+            assert_grads_equal(expected, run_case(case, session))
         assert session.plan is not None and session.plan.setting == plan.setting
         # No eager hook moved a compiled graph's tensors (eager code's stay, counted); a
-        # carry's graphs write to disk themselves (rule 12).
-        assert moved_by_eager_hooks(session, "host") == moved_by_eager_hooks(session, "disk") == 0
+        # carry's graphs write to disk themselves (rule 12), and only a carry's do.
+        assert (stows.of(session) > 0) == (plan.moving > 0), (stows.of(session), plan.table())
+        assert moved_by_eager_hooks(session, "host", stows) == 0, session.stats.table()
+        assert moved_by_eager_hooks(session, "disk", stows) == 0, session.stats.table()
     assert _graphs() == graphs, "the settled plan compiled a graph (a recompile loop)"

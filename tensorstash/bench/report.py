@@ -223,9 +223,19 @@ def format_title(
         parts.append(f"allocator {ALLOCATOR.name}")  # the real peaks depend on it
     if activations is not None:
         parts.append(f"activations {human_bytes(activations)} per step")
-    warmup = max([warmup, *(row.warmup_steps for row in measured)])  # rule 3's rounds too
-    parts.append(f"medians of {rounds} timed round(s) after {warmup} warm-up round(s)")
+    parts.append(f"medians of {rounds} timed round(s) after {rounds_before(warmup, measured)}")
     return ", ".join(parts)
+
+
+def rounds_before(warmup: int, rows: Sequence[Row]) -> str:
+    """The untimed rounds that ran before the timed ones, and why: ``--warmup``'s, and
+    those added while a planner still learned its plan (rule 3 of NOTE [ Fair
+    comparison ] in rounds.py)."""
+    ran = max([warmup, *(row.warmup_steps for row in rows)])
+    text = f"{warmup} warm-up round(s)"
+    if ran > warmup:
+        text += f" and {ran - warmup} more while Auto learned its plan"
+    return text
 
 
 def cpu_text(dtype: str) -> str:

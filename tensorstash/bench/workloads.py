@@ -39,9 +39,9 @@ class Workload:
             moved to the device).
         blocks: the submodules that "checkpoint" and "recompute" wrap, in any
             form :func:`tensorstash.recompute_modules` takes (a module class,
-            submodule names, or a predicate); None when the model has none,
-            and then "recompute" cannot run, nor "checkpoint" on a model
-            without ``checkpointing``.
+            a submodule path or class name, a list of those, or a predicate);
+            None when the model has none, and then "recompute" cannot run, nor
+            "checkpoint" on a model without ``checkpointing``.
         description: one line that names the model in the table's title.
         checkpointing: turns on, on the model given (``model``, or a copy of
             it), checkpointing of every block the model's own way (the embedded

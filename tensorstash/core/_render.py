@@ -33,6 +33,7 @@ def as_dict(stats: StashStats, ratio: float, decisions: list[dict[str, Any]]) ->
         "quiet": stats.quiet,
         "skipped": dict(stats.skipped),
         "fallbacks": dict(stats.fallbacks),
+        "nothing_to_do": dict(stats.nothing_to_do),
         "decisions": decisions,
     }
 
@@ -83,6 +84,7 @@ def tier_table(data: dict[str, Any]) -> str:
         )
     for title, reasons in (
         ("kept untouched", data["skipped"]),
+        ("nothing to do", data.get("nothing_to_do", {})),
         ("fallbacks", data["fallbacks"]),
     ):
         if reasons:

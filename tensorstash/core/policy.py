@@ -287,6 +287,12 @@ class Context:
             self._open -= 1
             self._maybe_stop()
 
+    @property
+    def idle(self) -> bool:
+        """Whether the session is closed and no packed value it accounted is alive."""
+        with self._lock:
+            return not self._live and not self._open
+
     def account(self, packed: Packed) -> None:
         """Start counting a packed value in the stats; it holds the context until freed."""
         with self._lock:

@@ -168,7 +168,11 @@ class StashStats:
     that the tensors were moved or compressed to; "disk" counts spilled bytes.
     ``quiet`` counts the steps that ran as plain autograd, with no hooks at all:
     under ``Auto`` with a profile, once its plan moves nothing (rule 10 of NOTE
-    [ Session ]); the tiers count nothing of such a step.
+    [ Session ]); the tiers count nothing of such a step. ``skipped`` counts the
+    tensors the session kept untouched (not eligible), ``fallbacks`` those a policy
+    could not place where it wanted ("disk full", "incompressible"), and
+    ``nothing_to_do`` those a policy or a stage of a Chain had no work for, by
+    reason (a CPU tensor under ``CpuOffload`` is in host memory already).
 
     Example:
         >>> with tensorstash.stash("lz4") as session:
@@ -182,6 +186,7 @@ class StashStats:
     wait_seconds: float = 0.0
     skipped: Counter[str] = field(default_factory=Counter)
     fallbacks: Counter[str] = field(default_factory=Counter)
+    nothing_to_do: Counter[str] = field(default_factory=Counter)
     deduplicated: int = 0
     unpacks: int = 0
     inside_recompute: int = 0
@@ -267,6 +272,11 @@ class StashStats:
         """Count a tensor that a policy could not place where it wanted."""
         with self._lock:
             self.fallbacks[reason] += 1
+
+    def count_nothing_to_do(self, reason: str) -> None:
+        """Count a tensor that a policy (or a stage of a Chain) had no work for."""
+        with self._lock:
+            self.nothing_to_do[reason] += 1
 
     def returned(self, nbytes: int, seconds: float = 0.0) -> None:
         """Count one hand-back of free memory to the OS: the bytes the resident set fell
@@ -401,6 +411,7 @@ class StashStats:
             self.quiet += data.get("quiet", 0)
             self.skipped.update(data["skipped"])
             self.fallbacks.update(data["fallbacks"])
+            self.nothing_to_do.update(data.get("nothing_to_do", {}))
             if decisions:
                 self._log.extend(dict(row) for row in data["decisions"])
 

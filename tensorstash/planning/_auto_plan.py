@@ -20,6 +20,7 @@ from tensorstash.planning import _limit, _rates
 from tensorstash.planning._calibration import step_noise
 from tensorstash.planning.plan import Plan, Rates, make_plan
 from tensorstash.tiers._spillwork import usable_cores
+from tensorstash.tiers.recompute import matches
 
 CPU_CONTENTION = 3.0
 """How much more a byte moved on a busy CPU costs the step than a probe of it took."""
@@ -109,7 +110,7 @@ def planner(
             budget,
             device=device,
             recompute=recompute,
-            never=lambda path: named(profile.module(path), path, auto.never_recompute),
+            never=lambda path: matches(path, profile.module(path), auto.never_recompute),
             always=paths(profile, auto.always_recompute) if recompute else [],
             rates=rates(auto, profile, budget, device_type, root, recompute=recompute),
             trims=trims,  # as the step's watch does
@@ -181,17 +182,10 @@ def trims_memory(device: str, every: int | str | None) -> bool | Literal["auto"]
     return "auto" if every == "auto" and _pool.compiled is None else True
 
 
-def named(module: nn.Module | None, path: str, names: tuple[str, ...]) -> bool:
-    """Whether ``path`` (or its class) is one of ``names``: a path covers the modules in it."""
-    if any(path == name or path.startswith(name + ".") for name in names):
-        return True
-    return module is not None and type(module).__name__ in names
-
-
 def paths(profile: Any, names: tuple[str, ...]) -> list[str]:
     """The measured module paths ``names`` stand for (paths, or class names)."""
     found = []
     for path in profile.modules:
-        if named(profile.module(path), path, names):
+        if matches(path, profile.module(path), names):
             found.append(path)
     return found

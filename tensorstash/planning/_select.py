@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tensorstash.core._names import NAMES
 from tensorstash.core._reasons import Reason, Why, reason
 from tensorstash.core._sizes import parse_size, resolve_size
 from tensorstash.core.policy import Context, Defer, Policy
@@ -151,8 +152,8 @@ class Select:
         policy, why = choice if isinstance(choice, tuple) else (choice, None)
         given = None if why is None else reason(Why.RULE, why)
         if isinstance(policy, Defer):
-            return Defer(resolve(policy.policy, POLICIES, api="Select"), policy.window), given
-        return resolve(policy, POLICIES, api="Select"), given
+            return Defer(_placing(policy.policy), policy.window), given
+        return _placing(policy), given
 
     def pack(self, value: Tensor, ctx: Context) -> Any:
         raise TypeError(
@@ -162,6 +163,22 @@ class Select:
 
     def unpack(self, packed: Any, ctx: Context) -> Tensor:
         raise TypeError("tensorstash.Select: unpack is dispatched to the chosen policy")
+
+
+def _placing(policy: Any) -> Policy:
+    """The policy a rule returned, resolved; a selector (``Auto``, ``Select``) chooses per
+    tensor itself, and cannot be what a rule chose."""
+    if isinstance(policy, str) and policy in NAMES and policy not in POLICIES:
+        policy = NAMES[policy]()  # "auto": a selector's name
+    if getattr(type(policy), "choose", None) is not None:
+        raise TypeError(
+            f"tensorstash.Select: the rule returned {type(policy).__name__}(...), a selector, "
+            "which chooses per tensor itself; a rule says where one tensor goes: return a "
+            "policy (tensorstash.Keep(), CpuOffload(), Lz4(), DiskSpill(), a Chain of them, "
+            "or Defer(policy, window)) or its name ('keep', 'cpu', 'lz4', 'disk'). To let "
+            "Auto decide every tensor, pass tensorstash.Auto() to stash() in place of the Select"
+        )
+    return resolve(policy, POLICIES, api="Select")
 
 
 _SHARED: dict[tuple[Any, ...], Select] = {}

@@ -88,7 +88,7 @@ def _stow_fake(tensor: Tensor, scheme: str) -> Tensor:
 def _fetch(token: Tensor, shape: list[int], stride: list[int], dtype: torch.dtype) -> Tensor:
     from tensorstash.planning import compiler
 
-    key = int.from_bytes(token.numpy().tobytes(), "little")
+    key = int.from_bytes(bytes(token.tolist()), "little")  # numpy is no dependency
     with _HELD_LOCK:
         holder = _HELD.get(key)
     if holder is None:

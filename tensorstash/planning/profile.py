@@ -107,6 +107,7 @@ each, are in ``docs/figures/profile.md``. The parts: the records
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import weakref
@@ -176,11 +177,17 @@ class Profile:
 
     Args:
         clock: seconds, monotonic; injected for tests.
-        stall_s: an unpack taking longer than this stalled backward.
-        measure_steps: steps whose module timings are always taken (rule 6).
+        stall_s: an unpack taking longer than this stalled backward (seconds, >= 0).
+        measure_steps: steps whose module timings are always taken (rule 6; at
+            least 1: a plan is made from what a step measured).
         remeasure_every: then every this many steps; 0 never again.
         measure_memory: take the real peak memory of each step (it resets
             the process's or device's peak; NOTE [ Real memory ] in _memory.py).
+
+    Raises:
+        TypeError, ValueError: a setting of the wrong type or out of range, with
+            what to pass instead. What a profile learns is not an argument: it
+            starts empty, or from :meth:`load_state_dict`.
 
     Example:
         >>> profile = tensorstash.Profile()
@@ -195,30 +202,65 @@ class Profile:
     measure_steps: int = 3
     remeasure_every: int = 25
     measure_memory: bool = True
-    steps: int = 0
-    last: dict[Site, SiteRecord] = field(default_factory=dict)
-    current: dict[Site, SiteRecord] = field(default_factory=dict)
-    stalls: set[Site] = field(default_factory=set)
-    modules: dict[str, ModuleRecord] = field(default_factory=dict)
-    history: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=HISTORY))
-    quiet_history: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=HISTORY))
-    aside: dict[frozenset[str], deque[StepRecord]] = field(default_factory=dict)
-    inputs: tuple[Any, ...] | None = None
-    module_history: deque[tuple[bool, dict[str, ModuleRecord]]] = field(
-        default_factory=lambda: deque(maxlen=HISTORY)
+    # What the profile learns (not arguments: it starts empty, or from load_state_dict).
+    steps: int = field(default=0, init=False)
+    last: dict[Site, SiteRecord] = field(default_factory=dict, init=False)
+    current: dict[Site, SiteRecord] = field(default_factory=dict, init=False)
+    stalls: set[Site] = field(default_factory=set, init=False)
+    modules: dict[str, ModuleRecord] = field(default_factory=dict, init=False)
+    history: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=HISTORY), init=False)
+    quiet_history: deque[StepRecord] = field(
+        default_factory=lambda: deque(maxlen=HISTORY), init=False
     )
-    peak: StepRecord | None = None
-    peaks: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=HISTORY))
-    codec_methods: dict[tuple[Any, ...], str] = field(default_factory=dict)
-    _seen: Counter[tuple[Any, ...]] = field(default_factory=Counter)
-    _step: Step | None = None
-    _objects: dict[str, weakref.ref[nn.Module]] = field(default_factory=dict)
-    _root: weakref.ref[nn.Module] | None = None
-    _root_name: str | None = None
-    _schedule: Schedule = field(default_factory=Schedule)  # when steps measure (rule 6)
-    _warned: set[int] = field(default_factory=set)
-    _quiet: list[QuietStep] = field(default_factory=list)  # waiting for their times (rule 8)
-    _most_moved: dict[str, int] = field(default_factory=dict)  # per tier (first_move)
+    aside: dict[frozenset[str], deque[StepRecord]] = field(default_factory=dict, init=False)
+    inputs: tuple[Any, ...] | None = field(default=None, init=False)
+    module_history: deque[tuple[bool, dict[str, ModuleRecord]]] = field(
+        default_factory=lambda: deque(maxlen=HISTORY), init=False
+    )
+    peak: StepRecord | None = field(default=None, init=False)
+    peaks: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=HISTORY), init=False)
+    codec_methods: dict[tuple[Any, ...], str] = field(default_factory=dict, init=False)
+    _seen: Counter[tuple[Any, ...]] = field(default_factory=Counter, init=False)
+    _step: Step | None = field(default=None, init=False)
+    _objects: dict[str, weakref.ref[nn.Module]] = field(default_factory=dict, init=False)
+    _root: weakref.ref[nn.Module] | None = field(default=None, init=False)
+    _root_name: str | None = field(default=None, init=False)
+    # When steps measure (rule 6).
+    _schedule: Schedule = field(default_factory=Schedule, init=False)
+    _warned: set[int] = field(default_factory=set, init=False)
+    # Quiet steps waiting for their times (rule 8).
+    _quiet: list[QuietStep] = field(default_factory=list, init=False)
+    _most_moved: dict[str, int] = field(default_factory=dict, init=False)  # per tier
+
+    def __post_init__(self) -> None:
+        api = "tensorstash.Profile"
+        if not callable(self.clock):
+            raise TypeError(
+                f"{api}: clock must be callable as clock() -> seconds (monotonic), such as "
+                f"time.perf_counter; got {self.clock!r}"
+            )
+        stall = self.stall_s
+        if isinstance(stall, bool) or not isinstance(stall, (int, float)):
+            raise TypeError(f"{api}: stall_s must be seconds (a number); got {stall!r}")
+        if not 0 <= stall < math.inf:
+            raise ValueError(
+                f"{api}: stall_s must be finite seconds >= 0 (an unpack slower than it "
+                f"stalled backward; 0.002 by default); got {stall}"
+            )
+        counts = {
+            "measure_steps": (1, "the first step always measures: a plan is made from it"),
+            "remeasure_every": (0, "0 never measures again after measure_steps"),
+        }
+        for name, (least, why) in counts.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{api}: {name} must be a whole number of steps; got {value!r}")
+            if value < least:
+                raise ValueError(f"{api}: {name} must be >= {least} ({why}); got {value}")
+        if not isinstance(self.measure_memory, bool):
+            raise TypeError(
+                f"{api}: measure_memory must be True or False; got {self.measure_memory!r}"
+            )
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickles (a spawned process's copy): the measurements, not the live links.

@@ -88,6 +88,11 @@ this order:
    themselves call no hook but at their end (NOTE [ Compiled code ] in
    planning/compiler.py). Without dynamo the hooks are pushed as they are:
    the wrapper costs about a microsecond a call.
+13. One region at a time. A session's open is one region on one thread:
+   entering a session that is open (inside itself, or on another thread)
+   raises. Used as a decorator, each call opens a fresh session, so a
+   decorated function runs on any thread and calls itself (NOTE
+   [ Decorator ] in _calls.py).
 
 # NOTE [ Recent window ]
 Backward starts with the tensors saved last (the output head, the loss):
@@ -106,6 +111,7 @@ autograd would).
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 import time
@@ -122,6 +128,7 @@ from tensorstash.core._sizes import parse_size
 from tensorstash.core.policy import Context, Keep, Policy
 from tensorstash.core.stats import StashStats
 from tensorstash.session import _modules
+from tensorstash.session._calls import Calls
 from tensorstash.session.packing import Packing
 from tensorstash.session.quiet import HOOKED, Event, Machine, Pair, State
 from tensorstash.session.rules import (
@@ -176,8 +183,11 @@ def resolve(policy: Policy | str) -> Policy:
 # -- the session ----------------------------------------------------------------------------
 
 
-class Session(contextlib.ContextDecorator):
+class Session:
     """A stash session; see :func:`stash` and NOTE [ Session ].
+
+    A context manager, and a decorator whose every call opens a session of its
+    own (NOTE [ Decorator ] in _calls.py).
 
     Attributes:
         policy: where eligible tensors go.
@@ -198,6 +208,7 @@ class Session(contextlib.ContextDecorator):
         self.policy = policy
         self.verify = verify
         self.min_bytes = min_bytes
+        self.workers = workers
         self.record = record
         self.profile = profile
         self._stats = StashStats()
@@ -214,7 +225,13 @@ class Session(contextlib.ContextDecorator):
         self.pack = packing.pack  # the hooks (NOTE [ Session ]); no cycle: they hold no session
         self.unpack = packing.unpack
         self._owner = 0  # the thread whose hooks this session pushed last
-        self._pushed: list[bool] = []  # per open: whether this enter pushed hooks (rule 8)
+        self._opener: int | None = None  # the thread it is open on (rule 13)
+        self._claim = threading.Lock()  # taken to open; a call's is its decorator's
+        # Per thread, per enter: whether it opened the session (rule 8: a region that
+        # recomputes its tensors enters it without opening it).
+        self._pushed: dict[int, list[bool]] = {}
+        self._calls: Calls | None = None  # as a decorator: its calls (NOTE [ Decorator ])
+        self._decorator: Session | None = None  # as a call's session: its decorator's
         self._planner: Any = None  # the selector's planning for the step (session/quiet.py)
         self._machine = Machine()  # NOTE [ Quiet-step machine ] in quiet.py
         self._cancel_next: Callable[[], None] = _nothing  # stop waiting for a module call
@@ -230,25 +247,107 @@ class Session(contextlib.ContextDecorator):
 
         Read on the thread that runs the session, it is exact; read on another
         while the session is open, it lags by the tensors kept since it was
-        last read on that thread.
+        last read on that thread. A session used as a decorator counts every
+        call's session (rule 3 of NOTE [ Decorator ] in _calls.py).
         """
         if threading.get_ident() == self._owner:
             self._stats.fold()
+        if self._calls is not None:
+            return self._calls.stats()  # rule 3 of NOTE [ Decorator ]
         return self._stats
+
+    # Decorator (NOTE [ Decorator ] in _calls.py) -------------------------------------
+
+    def __call__(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        """``func`` with each call inside a session of its own, made like this one."""
+        with self._claim:
+            if self._calls is None:
+                self._calls = Calls(self._stats)
+        calls = self._calls
+
+        @functools.wraps(func)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self._called_inside():
+                return func(*args, **kwargs)  # rule 2
+            session = self._for_call(calls)
+            calls.started(session)
+            try:
+                with session:
+                    return func(*args, **kwargs)
+            finally:
+                calls.returned(session)
+
+        return call
+
+    def _for_call(self, calls: Calls) -> Session:
+        """A fresh session for one call (rule 1 of NOTE [ Decorator ])."""
+        session = Session(
+            self.policy,
+            min_bytes=self.min_bytes,
+            workers=self.workers,
+            record=self.record,
+            profile=self.profile,
+            verify=self.verify,
+        )
+        session._decorator, session._claim = self, calls.lock
+        return session
+
+    def _called_inside(self) -> bool:
+        """Whether this thread's innermost session is one of this decorator's calls, its
+        hooks on top (rule 2 of NOTE [ Decorator ])."""
+        active = _active()
+        return bool(active) and active[-1]._decorator is self and active[-1]._on_top()
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the session is open (on any thread)."""
+        return self._opener is not None
+
+    @property
+    def _finished(self) -> bool:
+        """Whether the session is closed and nothing it packed or kept is alive."""
+        return self._opener is None and self._ctx.idle and self._stats.live_bytes == 0
+
+    def _take(self) -> None:
+        """Rule 13: mark the session open on this thread, or raise where it is open."""
+        me = threading.get_ident()
+        with self._claim:
+            if self._opener is not None:
+                raise RuntimeError(_open_already(self._opener == me))
+            decorator = self._decorator
+            if decorator is not None and self.profile is not None:
+                calls = decorator._calls
+                if calls is not None and calls.open_elsewhere(self):
+                    raise RuntimeError(_PROFILE_IN_USE)  # rule 4 of NOTE [ Decorator ]
+            self._opener = me
 
     # Context manager ---------------------------------------------------------------
 
     def __enter__(self) -> Session:
-        packing = self._packing
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        me = threading.get_ident()
         if top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint":
-            self._pushed.append(False)  # rule 8: the region recomputes its tensors
+            self._pushed.setdefault(me, []).append(False)  # rule 8: the region recomputes
             with self._stats._lock:
                 self._stats.inside_recompute += 1
             return self
-        self._pushed.append(True)
-        self._owner = threading.get_ident()
+        self._take()
+        self._pushed.setdefault(me, []).append(True)
         active = _active()
+        depth = len(active)
+        try:
+            self._open(top, active)
+        except BaseException:
+            del active[depth:]
+            self._forget_enter(me)
+            self._opener = None
+            raise
+        return self
+
+    def _open(self, top: Any, active: list[Session]) -> None:
+        """Open the session on this thread (rules 8, 10 and 11)."""
+        packing = self._packing
+        self._owner = threading.get_ident()
         if active and active[0].opened_quiet:
             active[0].wake()  # rule 11: its hooks go below this session's
         alone = (
@@ -288,7 +387,6 @@ class Session(contextlib.ContextDecorator):
             )
         elif opening.state is State.HOOKED:
             torch._C._autograd._push_saved_tensors_default_hooks(*hooks)
-        return self
 
     @property
     def opened_quiet(self) -> bool:
@@ -390,12 +488,24 @@ class Session(contextlib.ContextDecorator):
         hooks = getattr(hook, "__self__", None)
         return hook == self.pack or getattr(hooks, "owner", None) is self
 
+    def _on_top(self) -> bool:
+        """Whether the hooks on top of this thread's stack are this session's: its own or
+        its pair where it pushed them, none where it is quiet (rule 10)."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if self._machine.hooked or self._pair is not None:
+            return top is not None and self._pushed_by(top[0])
+        return top is None
+
     def __exit__(self, *exc: object) -> None:
         packing = self._packing
-        if not self._pushed:
-            raise RuntimeError("tensorstash.stash: the session was exited more often than entered")
-        if not self._pushed[-1]:
-            self._pushed.pop()
+        me = threading.get_ident()
+        enters = self._pushed.get(me)
+        if not enters:
+            raise RuntimeError(
+                "tensorstash.stash: the session was exited more often than entered on this thread"
+            )
+        if not enters[-1]:
+            self._forget_enter(me)
             return
         active = _active()
         if not active or active[-1] is not self:
@@ -403,22 +513,19 @@ class Session(contextlib.ContextDecorator):
                 "tensorstash.stash: sessions were exited out of order; exit the innermost "
                 "stash first (use them as nested `with` blocks)"
             )
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        ours = top is not None and self._pushed_by(top[0])
-        pushed = self._machine.hooked or self._pair is not None
         # Rule 10: a quiet session has nothing of its own pushed, and nothing else may be.
-        if not ours if pushed else top is not None:
+        if not self._on_top():
             raise RuntimeError(
                 "tensorstash.stash: other saved-tensor hooks are still pushed inside this "
                 "session; close them before the session ends"
             )
-        if pushed:
+        if self._machine.hooked or self._pair is not None:
             torch._C._autograd._pop_saved_tensors_default_hooks()
         pair, self._pair = self._pair, None
         if pair is not None:
             pair.closed()
             self._pair_plan = getattr(pair, "plan", None)
-        self._pushed.pop()
+        self._forget_enter(me)
         active.pop()
         self._stats.fold()
         if packing.step is not None:  # kept: backward's first unpack tells it (unpack_hook)
@@ -432,8 +539,15 @@ class Session(contextlib.ContextDecorator):
         if self._machine.hooked:
             _modules.untrack()
         self._machine.move(Event.CLOSE, State.CLOSED)
+        self._opener = None
         self._ctx.closed()
         self._ctx.flush_warnings()
+
+    def _forget_enter(self, thread: int) -> None:
+        enters = self._pushed[thread]
+        enters.pop()
+        if not enters:
+            del self._pushed[thread]
 
     def go_quiet(self) -> bool:
         """Run the rest of this step as plain autograd (rule 10); False where it cannot.
@@ -442,7 +556,7 @@ class Session(contextlib.ContextDecorator):
         """
         if not self._machine.hooked or self._pair is not None:
             return False  # a pair's step is planned by the compiler (NOTE [ Compiled code ])
-        if self.record or self.verify or self._pushed != [True]:
+        if self.record or self.verify or self._pushed.get(threading.get_ident()) != [True]:
             return False
         active = _active()
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -469,6 +583,8 @@ class Session(contextlib.ContextDecorator):
         """
         if self._pair_plan is not None:
             return self._pair_plan
+        if self._calls is not None and self._planner is None:
+            return self._calls.plan  # a decorator's: its last call's
         return getattr(self._planner, "plan", None)
 
     @property
@@ -480,7 +596,33 @@ class Session(contextlib.ContextDecorator):
         ``stored_bytes`` and ``reason``; tier and stored bytes are updated as
         background compression and writes finish.
         """
-        return self._stats.decisions
+        return self.stats.decisions
+
+
+def _open_already(here: bool) -> str:
+    """The error for a session entered while it is open (rule 13 of NOTE [ Session ])."""
+    if here:
+        where = "this session is open already on this thread (entered again inside itself)"
+    else:
+        where = (
+            "this session is open on another thread (saved-tensor hooks are per thread: "
+            "the threads would share one session's state)"
+        )
+    return (
+        f"tensorstash.stash: {where}; a session is one region on one thread at a time. "
+        "Open a new session for each region and thread (`with tensorstash.stash(...):`), "
+        "or decorate the function with `@tensorstash.stash(...)`: each call of a decorated "
+        "function opens a session of its own, on any thread, and a call inside a call uses "
+        "the session already open"
+    )
+
+
+_PROFILE_IN_USE = (
+    "tensorstash.stash: another call of this decorated function is open (on another "
+    "thread, or around this call under other hooks), and the decorator's profile measures "
+    "one step at a time; give each thread its own decorated function with its own "
+    "tensorstash.Profile (a profile follows one model's steps), or leave the profile out"
+)
 
 
 def stash(

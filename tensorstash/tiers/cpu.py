@@ -53,6 +53,9 @@ from tensorstash.core._layout import Layout, describe, rebuild, unfilled
 from tensorstash.core._sizes import size_fields
 from tensorstash.core.policy import Context, Held, HostBytes, Packed, bug, finalize, nbytes_of
 
+ON_HOST = "already in host memory (CpuOffload)"
+"""Why ``CpuOffload`` copies nothing of a tensor that is not on a CUDA device."""
+
 
 class _Event(Protocol):
     def query(self) -> bool: ...
@@ -216,8 +219,9 @@ class CpuOffload:
     On CUDA the copies run on side streams, ordered by events (see NOTE
     [ Streams ]), into pinned buffers that the session reuses while it lives and
     frees with its last graph (PyTorch's pinned-memory cache then keeps them for
-    the next step). A tensor already on the host is kept as it is (nothing to
-    move), counted in ``stats.fallbacks["already on host"]``.
+    the next step). A tensor already in host memory is left as it is (nothing to
+    copy), counted in ``stats.nothing_to_do[ON_HOST]`` ("already in host memory
+    (CpuOffload)").
 
     Args:
         pin_memory: copy into page-locked host memory (needed for asynchronous
@@ -251,7 +255,7 @@ class CpuOffload:
             raise bug(f"CpuOffload given {type(value).__name__}")
         nbytes = nbytes_of(tensor)
         if tensor.device.type != "cuda":
-            ctx.stats.fallback("already on host")
+            ctx.stats.count_nothing_to_do(ON_HOST)
             return Held("kept", nbytes, nbytes, tensor.detach())
         if not self.pin_memory:
             layout, payload = describe(tensor)

@@ -239,50 +239,112 @@ def unrecompute(module: M) -> M:
     return module
 
 
-def recompute_modules(
-    model: nn.Module, which: Callable[[str, nn.Module], bool] | Iterable[str] | type[nn.Module]
-) -> list[str]:
+Which = Callable[[str, nn.Module], bool] | str | type[nn.Module] | Iterable[str | type[nn.Module]]
+"""What :func:`recompute_modules` wraps: a predicate, a name, a module class, or several
+names and classes."""
+
+
+def recompute_modules(model: nn.Module, which: Which) -> list[str]:
     """Recompute many submodules at once.
 
     Args:
         model: the model whose submodules to wrap (in place).
-        which: a predicate ``(name, module) -> bool``, the submodule names
-            (as in ``model.named_modules()``), or a module class.
+        which: what to wrap, as ``Auto(never_recompute=...)`` names modules: a
+            submodule path (as in ``model.named_modules()``; the module and what
+            is inside it) or a class name (``"Block"``), a module class, or
+            several of those (a list or tuple); or a predicate
+            ``(name, module) -> bool``.
 
     Returns:
-        The names of the wrapped submodules.
+        The paths of the wrapped submodules.
 
     Raises:
-        ValueError: a name that is not a submodule of ``model``.
+        ValueError: a name that is neither a submodule path nor the class name of a
+            submodule.
+        TypeError: ``which`` is none of the forms above (a module instance: use
+            :func:`recompute` on it).
 
     Example:
-        >>> tensorstash.recompute_modules(model, GPTBlock)
+        >>> tensorstash.recompute_modules(model, GPTBlock)  # or "GPTBlock"
         ['blocks.0', 'blocks.1', ...]
+        >>> tensorstash.recompute_modules(model, ["blocks.0", "blocks.2"])
         >>> tensorstash.unrecompute(model)  # all of them again
     """
     named = dict(model.named_modules())
-    if isinstance(which, type):
-        kind = which
-        chosen = [name for name, module in named.items() if isinstance(module, kind)]
-    elif callable(which):
-        predicate = which
-        chosen = [name for name, module in named.items() if predicate(name, module)]
+    if callable(which) and not isinstance(which, (type, nn.Module)):
+        chosen = {name for name, module in named.items() if which(name, module)}
     else:
-        chosen = list(which)
-        missing = [name for name in chosen if name not in named]
-        if missing:
-            raise ValueError(
-                f"tensorstash.recompute_modules: {missing} are not submodules of the model; "
-                f"names look like {list(named)[1:4]}"
-            )
+        chosen = _named_modules(named, _names(which))
     # A module inside one already wrapped would be checkpointed twice: skip it.
     wrapped: list[str] = []
-    for name in chosen:
+    for name in named:
+        if name not in chosen:
+            continue
         if any(name.startswith(f"{outer}.") or outer == "" for outer in wrapped):
             continue
         recompute(named[name])
         wrapped.append(name)
     return wrapped
+
+
+def matches(path: str, module: nn.Module | None, names: tuple[str, ...]) -> bool:
+    """Whether the module at ``path`` is one of ``names``: a path names the module and
+    those inside it, a class name every module of that class (``Auto``'s
+    ``never_recompute`` and ``always_recompute``, :func:`recompute_modules`)."""
+    if any(path == name or path.startswith(name + ".") for name in names):
+        return True
+    return module is not None and type(module).__name__ in names
+
+
+def _names(which: object) -> list[str | type[nn.Module]]:
+    """``which`` of :func:`recompute_modules` as a list of names and module classes."""
+    api = "tensorstash.recompute_modules"
+    if isinstance(which, nn.Module):
+        raise TypeError(
+            f"{api}: which is a module instance ({type(which).__name__}); pass its path or "
+            "class name, its class, or recompute it alone with tensorstash.recompute(module)"
+        )
+    if isinstance(which, (str, type)):
+        items: list[object] = [which]
+    elif isinstance(which, Iterable) and not isinstance(which, bytes):
+        items = list(which)
+    else:
+        raise TypeError(
+            f"{api}: which must be a submodule path or class name (a str), a module class, "
+            "a list of those, or a predicate (name, module) -> bool; got "
+            f"{type(which).__name__} {which!r}"
+        )
+    for item in items:
+        if not isinstance(item, str) and not (
+            isinstance(item, type) and issubclass(item, nn.Module)
+        ):
+            raise TypeError(
+                f"{api}: {item!r} is not a submodule path, a class name or an nn.Module "
+                "class; pass names such as ['blocks.0', 'Block'] or a class such as Block"
+            )
+    return items  # type: ignore[return-value]
+
+
+def _named_modules(named: dict[str, nn.Module], items: list[str | type[nn.Module]]) -> set[str]:
+    """The paths of the submodules ``items`` name; ValueError for a name that names none."""
+    chosen: set[str] = set()
+    missing: list[str] = []
+    for item in items:
+        if isinstance(item, type):
+            found = {path for path, module in named.items() if isinstance(module, item)}
+        else:  # what is inside a module found is skipped by the caller
+            found = {path for path, module in named.items() if matches(path, module, (item,))}
+            if not found:
+                missing.append(item)
+        chosen |= found
+    if missing:
+        classes = sorted({type(module).__name__ for module in named.values()})
+        raise ValueError(
+            f"tensorstash.recompute_modules: {missing} name no submodule of the model, by "
+            f"path or by class name; paths look like {list(named)[1:4]}, class names here "
+            f"are {classes[:8]}"
+        )
+    return chosen
 
 
 # -- the plan's recompute, for one session (rule 6) --------------------------------------
