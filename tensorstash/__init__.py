@@ -8,6 +8,11 @@ Example:
     >>> print(session.stats.table())
 """
 
+from tensorstash.core import _support
+
+# NOTE [ Support range ] rule 1, before a module that needs a newer torch is imported.
+_support.check_floor()
+
 from tensorstash import _aliases
 from tensorstash._info import info
 from tensorstash.core.policy import Chain, Context, Defer, Keep, Packed, Policy

@@ -18,6 +18,7 @@ from checks import leak_check, moved_by_eager_hooks
 from torch import nn
 
 import tensorstash as ts
+from tensorstash.core import _support
 
 TIERS = ("kept", "host", "disk")
 
@@ -25,6 +26,11 @@ pytestmark = pytest.mark.skipif(
     not hasattr(torch, "compile") or not torch._dynamo.is_dynamo_supported(),
     reason="torch.compile is not supported here",
 )
+planned = pytest.mark.skipif(
+    _support.missing(_support.COMPILED) is not None,
+    reason=str(_support.missing(_support.COMPILED)),  # what the plan table says there
+)
+"""Tests of Auto's plans through the compiler (NOTE [ Support range ] rule 2)."""
 
 
 class Block(nn.Module):
@@ -104,6 +110,7 @@ def test_compiled_grads_bitwise(
     assert {row["module"] for row in rows} == {"Sequential"}
 
 
+@planned
 def test_auto_quiet_steps_run_a_compiled_model_without_compiling_it_again() -> None:
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -131,6 +138,7 @@ def test_auto_quiet_steps_run_a_compiled_model_without_compiling_it_again() -> N
     assert frames[1:] == [frames[1]] * 7, frames
 
 
+@planned
 def test_auto_plans_around_a_compiled_function_whose_forward_runs_with_grad_off() -> None:
     """A plan is made while the compiled graph's forward saves its tensors, with grad off
     there: the probe of a recomputed region's cost must not inherit that (it raised
@@ -207,6 +215,39 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def test_auto_plans_compiled_code_as_eager_code_on_a_torch_that_cannot_inline_hooks(
+    fresh_dynamo: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [ Support range ] rule 2 (torch 2.8 and 2.9, as this torch is made to say):
+    planning through the compiler steps aside; the steps are planned as eager code, with
+    the gradients of the compiled model alone; a warning says so once, and so does the
+    plan's table."""
+    from tensorstash.planning import _opening
+
+    said = "planning compiled code through the compiler needs torch 2.10 or newer (...)"
+    monkeypatch.setattr(
+        _support, "missing", lambda feature: said if feature == _support.COMPILED else None
+    )
+    monkeypatch.setattr(_opening, "_warned", [])
+    model = _model().eval()
+    fn = _compiled_fn(model)
+    _, reference = _train(model, fn, None, 1, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sessions, grads = _train(model, fn, ts.Auto(device_budget=256 << 10), 4, ts.Profile())
+    for got in grads:
+        assert all(torch.equal(a, b) for a, b in zip(got, reference[0], strict=True))
+    assert [str(w.message) for w in caught if said in str(w.message)] == [
+        f"tensorstash.Auto: {said}; steps that run compiled code are planned as eager code, "
+        "the session's hooks around the compiled graphs. pip install 'torch>=2.10' to plan "
+        "them through the compiler"
+    ]
+    plan = sessions[-1].plan
+    assert isinstance(plan, ts.Plan)  # the eager plan, not the compiler's
+    assert f"compiled code: {said}; planned as eager code" in plan.table()
+
+
+@planned
 def test_auto_leaves_compiled_code_that_fits_untouched(fresh_dynamo: Any) -> None:
     """The default budget: one step under the default partitioner's pair learns what the
     compiled graph keeps; every later step pushes nothing and runs the user's graphs."""
@@ -227,6 +268,7 @@ def test_auto_leaves_compiled_code_that_fits_untouched(fresh_dynamo: Any) -> Non
     assert all(tier.tensors == 0 for tier in later[-1].stats.tiers.values())
 
 
+@planned
 def test_auto_plans_compiled_code_with_the_partitioners_budget(fresh_dynamo: Any) -> None:
     """A budget under what the compiled forward keeps: Auto asks the partitioner for the
     setting that fits, moves nothing with eager hooks, and trains as the compiler at that
@@ -265,6 +307,7 @@ def test_auto_plans_compiled_code_with_the_partitioners_budget(fresh_dynamo: Any
         assert all(torch.equal(a, b) for a, b in zip(got, expected[0], strict=True))
 
 
+@planned
 @pytest.mark.slow
 def test_compiled_search_keeps_the_users_partitioner_budget(fresh_dynamo: Any) -> None:
     import torch._functorch.config as functorch_config
@@ -276,6 +319,7 @@ def test_compiled_search_keeps_the_users_partitioner_budget(fresh_dynamo: Any) -
         assert functorch_config.activation_memory_budget == 0.7
 
 
+@planned
 def test_auto_plans_an_eager_model_as_before_in_a_process_that_compiled(
     fresh_dynamo: Any,
 ) -> None:
@@ -302,6 +346,7 @@ def test_auto_plans_an_eager_model_as_before_in_a_process_that_compiled(
     assert moved["host"].tensors + moved["disk"].tensors > 0 or plan.recompute
 
 
+@planned
 def test_auto_plans_compiled_graphs_that_draw_random_numbers_with_their_draws_saved(
     fresh_dynamo: Any,
 ) -> None:
@@ -357,6 +402,7 @@ def test_the_random_ops_pass_marks_the_forwards_draws_and_runs_the_users_pass() 
     assert "recompute" not in late.meta
 
 
+@planned
 def test_auto_sees_the_draws_of_graphs_from_the_compile_cache(
     fresh_dynamo: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
@@ -389,6 +435,7 @@ def test_auto_sees_the_draws_of_graphs_from_the_compile_cache(
     assert 0.0 not in [t.setting for t in plan.trials]
 
 
+@planned
 @pytest.mark.slow
 def test_graphs_cached_under_another_scheme_are_not_found(
     fresh_dynamo: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
@@ -446,7 +493,7 @@ class _Embedded(nn.Module):
 def test_session_hooks_are_not_traced_by_dynamo_in_recompute_regions(fresh_dynamo: Any) -> None:
     """Rule 12 of NOTE [ Session ]: recompute regions inside a compiled model push hooks
     that dynamo traces; the session's own hooks, pushed around the compiled model, must
-    run with dynamo off, or dynamo traces them with fake tensors and fails."""
+    run with dynamo off, or dynamo compiles them with fake tensors and fails."""
     model = _Embedded().eval()
     compiled = torch.compile(model, backend="aot_eager")
     tokens = torch.randint(0, 100, (8, 128), generator=torch.Generator().manual_seed(3))
@@ -469,6 +516,7 @@ def test_session_hooks_are_not_traced_by_dynamo_in_recompute_regions(fresh_dynam
 # -- torch.compile's own options: fullgraph, mode, dynamic shapes --
 
 
+@planned
 def test_auto_plans_a_fullgraph_compile(fresh_dynamo: Any) -> None:
     """fullgraph=True: neither the pair nor the first step's eager hooks break the graph."""
     model = _model().eval()
@@ -481,6 +529,7 @@ def test_auto_plans_a_fullgraph_compile(fresh_dynamo: Any) -> None:
         assert all(torch.allclose(a, b) for a, b in zip(got, reference[0], strict=True))
 
 
+@planned
 @pytest.mark.slow
 def test_auto_plans_dynamic_shapes_by_the_most_a_step_kept(fresh_dynamo: Any) -> None:
     """Rule 9 of NOTE [ Compiled code ]: steps of two lengths share one graph per setting;
@@ -505,6 +554,7 @@ def test_auto_plans_dynamic_shapes_by_the_most_a_step_kept(fresh_dynamo: Any) ->
     assert graphs[settled:] == [graphs[settled]] * (len(lengths) - settled)
 
 
+@planned
 @pytest.mark.slow
 def test_auto_plans_reduce_overhead_on_the_cpu_as_the_default_mode(fresh_dynamo: Any) -> None:
     """mode="reduce-overhead" asks for CUDA graphs; on the CPU inductor skips them (and says
@@ -527,6 +577,7 @@ def test_auto_plans_reduce_overhead_on_the_cpu_as_the_default_mode(fresh_dynamo:
         )
 
 
+@planned
 @pytest.mark.slow
 def test_auto_pair_is_not_traced_by_dynamo_in_eager_code_of_a_compiled_function(
     fresh_dynamo: Any,

@@ -54,7 +54,9 @@ class _Holder(bytearray):
     packed: Any
 
 
-@torch.library.custom_op("tensorstash::stow", mutates_args=(), **OP_TAGS)
+@torch.library.custom_op(
+    "tensorstash::stow", mutates_args=(), schema="(Tensor tensor, str scheme) -> Tensor", **OP_TAGS
+)
 def _stow(tensor: Tensor, scheme: str) -> Tensor:
     from tensorstash.planning import compiler
 
@@ -84,7 +86,12 @@ def _stow_fake(tensor: Tensor, scheme: str) -> Tensor:
     return torch.empty(8, dtype=torch.uint8)
 
 
-@torch.library.custom_op("tensorstash::fetch", mutates_args=(), **OP_TAGS)
+@torch.library.custom_op(
+    "tensorstash::fetch",
+    mutates_args=(),
+    schema="(Tensor token, SymInt[] shape, SymInt[] stride, ScalarType dtype) -> Tensor",
+    **OP_TAGS,
+)
 def _fetch(token: Tensor, shape: list[int], stride: list[int], dtype: torch.dtype) -> Tensor:
     from tensorstash.planning import compiler
 

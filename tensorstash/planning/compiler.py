@@ -17,7 +17,9 @@
    code calls the pair as ordinary hooks, which hand the tensor to the
    session's own pair (``handing``), with dynamo off: eager code inside a
    compiled function (past a graph break) runs under dynamo's frame
-   callback, which would otherwise trace the hooks as user code.
+   callback, which would otherwise trace the hooks as user code. This
+   needs torch 2.10 (NOTE [ Support range ] in core/_support.py); before it,
+   ``Auto`` plans compiled code as eager code, and its plan table says so.
 3. The inlined pack passes each saved tensor through ``tensorstash::saved``,
    which adds its bytes (those at or over the session's ``min_bytes``) to the
    thread's count and returns an empty token; the inlined unpack passes the
@@ -247,7 +249,12 @@ class _Count:
 _OP_TAGS = _stowing.OP_TAGS  # rule 8
 
 
-@torch.library.custom_op("tensorstash::saved", mutates_args=(), **_OP_TAGS)
+@torch.library.custom_op(
+    "tensorstash::saved",
+    mutates_args=(),
+    schema="(Tensor tensor, str scheme) -> Tensor",
+    **_OP_TAGS,
+)
 def _saved(tensor: Tensor, scheme: str) -> Tensor:
     count = _count()
     nbytes = tensor.nbytes
@@ -263,7 +270,9 @@ def _saved_fake(tensor: Tensor, scheme: str) -> Tensor:
     return tensor.new_empty(0)
 
 
-@torch.library.custom_op("tensorstash::reached", mutates_args=(), **_OP_TAGS)
+@torch.library.custom_op(
+    "tensorstash::reached", mutates_args=(), schema="(Tensor token) -> ()", **_OP_TAGS
+)
 def _reached(token: Tensor) -> None:
     note_reached()
 
@@ -311,9 +320,14 @@ def _last_backward_end() -> float | None:
 
 def _compiling() -> dict[str, Any] | None:
     """What AOTAutograd says of the saved tensor it is asking about (its graphs, its
-    node), or None for an eager call."""
-    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
-
+    node), or None for an eager call, or where AOTAutograd inlines no hooks (before
+    torch 2.10: NOTE [ Support range ] in core/_support.py)."""
+    try:
+        from torch._functorch._aot_autograd.graph_compile import (
+            _get_saved_tensor_hook_context,
+        )
+    except ImportError:
+        return None
     return _get_saved_tensor_hook_context()
 
 
@@ -598,6 +612,12 @@ def _compile_ends(*_: Any) -> None:
 def dynamo_live() -> bool:
     """Whether ``torch.compile`` has been used in this process (dynamo is imported then)."""
     return "torch._dynamo" in sys.modules
+
+
+def compiled_some() -> bool:
+    """Whether dynamo has compiled a graph in this process (checkpointing imports dynamo
+    without compiling anything)."""
+    return dynamo_live() and _graphs() > 0
 
 
 @dataclass
