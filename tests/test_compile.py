@@ -490,21 +490,34 @@ class _Embedded(nn.Module):
         return x.square().mean()
 
 
-def test_session_hooks_are_not_traced_by_dynamo_in_recompute_regions(fresh_dynamo: Any) -> None:
+@pytest.mark.parametrize(
+    "hooks",
+    [
+        "python",
+        pytest.param("c-chosen", marks=pytest.mark.slow),
+        pytest.param("c-auto", marks=pytest.mark.slow),
+    ],
+)
+def test_session_hooks_are_not_traced_by_dynamo_in_recompute_regions(
+    fresh_dynamo: Any, hooks: str
+) -> None:
     """Rule 12 of NOTE [ Session ]: recompute regions inside a compiled model push hooks
     that dynamo traces; the session's own hooks, pushed around the compiled model, must
-    run with dynamo off, or dynamo compiles them with fake tensors and fails."""
+    run with dynamo off, or dynamo compiles them with fake tensors and fails. The Python
+    hooks (a profile's), and the C hooks that call back into Python for a policy's pack
+    (lz4) or for Auto's choice."""
     model = _Embedded().eval()
     compiled = torch.compile(model, backend="aot_eager")
     tokens = torch.randint(0, 100, (8, 128), generator=torch.Generator().manual_seed(3))
     compiled(tokens).backward()
     reference = [p.grad.clone() for p in model.parameters()]
-    profile = ts.Profile()
+    profile = ts.Profile() if hooks == "python" else None
+    policy: Any = {"python": "auto", "c-chosen": "lz4", "c-auto": ts.Auto(device_budget=0)}[hooks]
     for _ in range(3):
         model.zero_grad(set_to_none=True)
         names = ts.recompute_modules(model, Block)
         try:
-            with ts.stash("auto", profile=profile):
+            with ts.stash(policy, profile=profile, min_bytes=0):
                 compiled(tokens).backward()
         finally:
             for name in names:

@@ -116,6 +116,7 @@ def compiled_planning(auto: Any, ctx: Context, min_bytes: int) -> CompiledStepPl
         known=True,
         peak=not search.settled,
         moving=search.moving,
+        model_device=functools.partial(_model_device, profile),
     )
     stow = (_disk(auto.directory), ctx) if search.moving else None
     pair = CompiledPair(step, profile, whole=True, stow=stow)
@@ -143,7 +144,8 @@ def detecting(auto: Any, ctx: Context, min_bytes: int, quiet: bool) -> Opening:
         compiler.known(profile).device = device
         return compiler.search_for(profile, auto.device_budget, auto.budget_bytes(ctx, device))
 
-    step = compiler.CompiledStep(search, 1.0, min_bytes, None)
+    model_device = functools.partial(_model_device, profile)
+    step = compiler.CompiledStep(search, 1.0, min_bytes, None, model_device=model_device)
     return Opening(State.HOOKED, CompiledPair(step, profile, whole=False))
 
 
@@ -167,3 +169,10 @@ def _planned_whole(profile: Any) -> bool:
 
 
 _warned: list[str] = []
+
+
+def _model_device(profile: Any) -> torch.device | None:
+    """Rule 13 of NOTE [ Compiled code ]: where the profile's model has its parameters."""
+    root = profile.root
+    parameter = next(root.parameters(), None) if root is not None else None
+    return None if parameter is None else parameter.device
