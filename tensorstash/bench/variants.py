@@ -31,6 +31,7 @@ from torch import nn
 import tensorstash as ts
 from tensorstash.bench.compiled import COMPILE_OFFLOAD, COMPILE_PREFIX, compile_budget
 from tensorstash.bench.workloads import Workload
+from tensorstash.core import _support
 from tensorstash.planning.auto import parse_bytes
 
 # Policies handed to ts.stash, by bench name; factories so each step gets a fresh value.
@@ -173,6 +174,8 @@ def skip_reason(name: str, device: torch.device, *, compiled: bool = False) -> s
             "the compiler's offload copies device tensors to the host; on the "
             f"{device.type} the host is the device"
         )
+    if name == COMPILE_OFFLOAD:
+        return _support.missing(_support.OFFLOAD)  # NOTE [ Support range ] rule 2
     if name == "recompute" and compiled:
         return (
             "its regions wrap the model's blocks, which the compiled graphs run inside; "
