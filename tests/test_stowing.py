@@ -314,6 +314,7 @@ def _placed(passes: Any) -> bool:
     return any(getattr(each, "tensorstash_placement", False) is True for each in listed)
 
 
+@inlined
 def test_placement_is_in_force_for_a_moving_pairs_graphs_and_their_lazy_backward() -> None:
     moving = compiler.hooks_for(0.5, 3 << 20)
     assert _placed(_post_grad_passes_in("DYNAMO", "901/0", moving))

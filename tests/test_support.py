@@ -26,13 +26,15 @@ def test_a_torch_without_the_hook_stack_is_refused_at_import_with_the_fix(
 def test_a_feature_this_torch_lacks_says_what_it_needs_in_one_sentence(feature: str) -> None:
     """Rule 2: the message names the feature, the torch that has it and the torch here;
     found by what the torch has, not by its version number (rule 4)."""
+    import torch._functorch.config as functorch_config
+
     if feature == _support.COMPILED:
         from torch._functorch._aot_autograd import graph_compile
 
-        has = hasattr(graph_compile, "_get_saved_tensor_hook_context")
+        has = hasattr(graph_compile, "_get_saved_tensor_hook_context") and hasattr(
+            functorch_config, "joint_custom_pass"
+        )
     else:
-        import torch._functorch.config as functorch_config
-
         has = hasattr(functorch_config, "enable_activation_offloading")
     said = _support.missing(feature)
     if has:

@@ -10,8 +10,9 @@
    message that names what it needs (:func:`missing`), and the rest runs:
    - planning compiled code through the compiler (``COMPILED``; NOTE [ Compiled
      code ] in planning/compiler.py) needs AOTAutograd's inlined saved-tensor
-     hooks (torch 2.10). Without them ``Auto`` plans a step of compiled code as
-     eager code, its hooks around the compiled graphs, and its plan table says so;
+     hooks and functorch's joint-graph pass (rule 7 there), both torch 2.10.
+     Without them ``Auto`` plans a step of compiled code as eager code, its hooks
+     around the compiled graphs, and a warning and its plan table say so;
    - the compiler's own offload (``OFFLOAD``; the bench's ``compile:offload``) needs
      ``torch._functorch.config.enable_activation_offloading`` (torch 2.10).
 3. What differs between supported versions in a way code can follow is
@@ -39,7 +40,7 @@ OFFLOAD = "the compiler's own activation offload"
 """Rule 2: the bench's ``compile:offload``."""
 
 _NEEDS: dict[str, tuple[str, str]] = {
-    COMPILED: (COMPILED_FLOOR, "AOTAutograd's inlined saved-tensor hooks"),
+    COMPILED: (COMPILED_FLOOR, "AOTAutograd's inlined saved-tensor hooks, a joint-graph pass"),
     OFFLOAD: ("2.10", "torch._functorch.config.enable_activation_offloading"),
 }
 
@@ -57,11 +58,14 @@ def check_floor() -> None:
 @functools.cache
 def _has(feature: str) -> bool:
     if feature == COMPILED:
+        import torch._functorch.config as functorch_config
+
         try:
             from torch._functorch._aot_autograd import graph_compile
         except ImportError:
             return False
-        return hasattr(graph_compile, "_get_saved_tensor_hook_context")
+        inlined = hasattr(graph_compile, "_get_saved_tensor_hook_context")
+        return inlined and hasattr(functorch_config, "joint_custom_pass")
     if feature == OFFLOAD:
         import torch._functorch.config as functorch_config
 
