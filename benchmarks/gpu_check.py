@@ -204,7 +204,10 @@ def setup(base: str, venv: Path, wheels: Path, out: Path, summary: Summary) -> t
                 [base, "-m", "venv", "--system-site-packages", str(venv)], check=False
             )
             if made.returncode != 0:
-                summary.say(f"setup: could not make {venv} with {base} -m venv")
+                summary.say(
+                    f"setup: could not make {venv} with {base} -m venv; pass --python a "
+                    "virtual environment's Python that has torch (tensorstash installs there)"
+                )
                 raise SystemExit(2)
     pip = [python, "-m", "pip", "--disable-pip-version-check", "install"]
     source = ["--no-index", "--find-links", str(wheels)] if wheels.is_dir() else []
