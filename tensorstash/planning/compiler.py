@@ -213,6 +213,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from tensorstash.core._frames import keep_out
+from tensorstash.core._timers import CudaTimer
 from tensorstash.core.stats import human_bytes
 from tensorstash.memory import _pool
 from tensorstash.memory._memory import meter
@@ -575,27 +576,18 @@ class CudaSpan:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.start = self._mark()
+        self.timer = CudaTimer(device)
+        self.start = self.timer.mark()
         self.end: Any = None
 
-    def _mark(self) -> Any:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
     def backward_ended(self) -> None:
-        self.end = self._mark()
+        self.end = self.timer.mark()
 
     def seconds(self, wait: bool) -> float | None:
         end = self.end
-        if end is None:
+        if end is None or not (wait or self.timer.done(end)):
             return None
-        if not end.query():
-            if not wait:
-                return None
-            end.synchronize()
-        return float(self.start.elapsed_time(end)) / 1e3
+        return self.timer.seconds(self.start, end)
 
 
 def device_span(device: torch.device) -> Span | None:
