@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 BENCH_ARGS ?=
 
-.PHONY: bench test test-all lint types check install clean docs
+.PHONY: bench test test-all lint types check install clean docs gpu-check gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,20 @@ $(VENV)/.docs-installed: $(VENV)/.installed pyproject.toml
 
 docs: $(VENV)/.docs-installed
 	$(BIN)/mkdocs build --strict --site-dir build/site
+
+# On a machine with a CUDA device, after `pip install torch`: the CUDA tests, then the bench
+# on `large` and an HF Llama, eager and compiled; tables in gpu-out/, within 8 minutes
+# (benchmarks/gpu_check.py). It uses the python that has torch, not .venv (the CPU build).
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# What gpu-check installs besides torch, as wheels, for a GPU machine that cannot reach
+# PyPI: copy gpu-wheels/ into its clone. GPU_PYTHON=3.12 fetches them for another Python.
+GPU_PYTHON ?=
+gpu-wheels: install
+	$(BIN)/python -m pip --disable-pip-version-check download --dest gpu-wheels \
+		--only-binary=:all: $(if $(GPU_PYTHON),--python-version $(GPU_PYTHON)) \
+		psutil lz4 xxhash pytest pytest-timeout hypothesis tqdm numpy "setuptools>=77" transformers
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -10,6 +10,12 @@ Example:
 
 # First: torch, without its warning where numpy is not installed (_torch.py).
 from tensorstash import _torch  # noqa: F401  # isort: skip
+
+from tensorstash.core import _support
+
+# NOTE [ Support range ] rule 1, before a module that needs a newer torch is imported.
+_support.check_floor()
+
 from tensorstash import _aliases
 from tensorstash._info import info
 from tensorstash.core.policy import Chain, Context, Defer, Keep, Packed, Policy

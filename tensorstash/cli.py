@@ -185,8 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run every policy on the model compiled by torch.compile (inductor), beside the "
         f"compiler's own activation memory budgets ({_escaped(bench.COMPILE_PEERS)}) and, "
-        f"on CUDA, its own offload ({bench.COMPILE_OFFLOAD}), under deterministic "
-        "algorithms; compile time is reported apart from step time",
+        f"on CUDA, its own offload ({bench.COMPILE_OFFLOAD}), or only those of them that "
+        "--policies names, under deterministic algorithms; compile time is reported apart "
+        "from step time",
     )
     run.add_argument(
         "--compile-mode",

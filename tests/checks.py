@@ -388,13 +388,8 @@ def rank_results(ranks: list[dict[str, Any]], key: Any) -> list[Any]:
 
 
 def top_saved_tensors_hooks() -> Any:
-    """The innermost saved-tensor hook pair pushed on this thread, or None; a session's
-    hooks as it made them (once dynamo is loaded it pushes them wrapped to run with dynamo
-    off: rule 12 of NOTE [ Session ])."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    if top is None:
-        return None
-    return tuple(getattr(hook, "__wrapped__", hook) for hook in top)
+    """The innermost saved-tensor hook pair pushed on this thread, or None."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)
 
 
 def tensorstash_threads() -> list[str]:

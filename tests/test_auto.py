@@ -283,6 +283,39 @@ def test_auto_moves_device_tensors_by_host_memory_left(
         assert [type(s) for s in policy.stages] == [type(s) for s in expected.stages]
 
 
+def test_auto_host_tier_takes_its_room_for_copies_from_the_plan_in_force() -> None:
+    """A session may run several steps: a copy tier made in a step without a plan (room
+    0: every copy to the host waited on) must not stay so once a plan that fits leaves
+    room, nor keep a room that a later plan no longer leaves."""
+    from tensorstash.core.policy import Context
+    from tensorstash.core.stats import StashStats
+
+    auto = ts.Auto(
+        device_budget=8 * MiB, host_probe=fixed(64 << 30), device_probe=fixed(8 << 30, 16 << 30)
+    )
+    ctx = Context(StashStats())
+    ctx.stats.tiers["kept"].live_bytes = 16 * MiB  # held already: past the budget
+    tensor = torch.empty(1 << 20, device="meta")  # 4 MiB "on a device", never allocated
+    choice = auto.state(ctx).choice
+
+    def room() -> int:
+        policy, _ = auto.choose(tensor, ctx)
+        policy = policy.policy if isinstance(policy, ts.Defer) else policy
+        assert isinstance(policy, ts.CpuOffload)
+        return policy.max_inflight_bytes
+
+    def plan(held: int) -> ts.Plan:
+        return ts.Plan(8 * MiB, activation_bytes=32 * MiB, held_bytes=held, reachable_bytes=held)
+
+    assert room() == 0  # no plan: every copy waited on
+    choice.follow(plan(3 * MiB))
+    assert room() == 5 * MiB  # the budget less what the plan holds
+    choice.follow(plan(7 * MiB))
+    assert room() == 1 * MiB
+    choice.follow(None)
+    assert room() == 0
+
+
 def test_auto_makes_no_tier_in_a_step_that_keeps_everything(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

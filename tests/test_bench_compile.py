@@ -14,6 +14,7 @@ from torch import nn
 from tensorstash import bench, cli
 from tensorstash.bench.compiled import CompiledForwards, compile_budget, offload_backend
 from tensorstash.bench.variants import skip_reason
+from tensorstash.core import _support
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
@@ -63,6 +64,21 @@ def test_compile_names_are_bench_policies_and_bad_ones_are_refused() -> None:
         bench.resolve_policies(["compile:2"])
 
 
+def test_bench_compile_runs_the_compilers_rows_that_policies_names_or_all() -> None:
+    """Rule 9 of NOTE [ Compiled runs ]: each compiler's row is a compile of its own; a
+    run that names some runs those only."""
+    from tensorstash.bench.compiled import COMPILE_RUNS
+    from tensorstash.bench.rounds import with_compile_rows
+
+    every = with_compile_rows(["none", "auto"], compile=True)
+    assert every == ["none", "auto", *COMPILE_RUNS]
+    named = ["none", "auto:50%", bench.COMPILE_OFFLOAD]
+    assert with_compile_rows(named, compile=True) == named
+    assert with_compile_rows(["none", "auto"], compile=False) == ["none", "auto"]
+    one = bench.planned_steps(["none", "compile:0.5"], steps=2, warmup=1, compile=True)
+    assert one == 2 + 2 * (1 + 2)  # reference and activations, then two variants' rounds
+
+
 def test_compiled_forwards_share_one_compiled_model_and_one_per_budget() -> None:
     model = _Model()
     forwards = CompiledForwards(model, compile=True)
@@ -78,7 +94,44 @@ def test_compile_offload_is_the_default_partitioner_and_needs_cuda() -> None:
     assert bench.resolve_policies([bench.COMPILE_OFFLOAD]) == ["none", bench.COMPILE_OFFLOAD]
     reason = skip_reason(bench.COMPILE_OFFLOAD, torch.device("cpu"), compiled=True)
     assert reason is not None and "the host is the device" in reason
-    assert skip_reason(bench.COMPILE_OFFLOAD, torch.device("cuda"), compiled=True) is None
+    on_cuda = skip_reason(bench.COMPILE_OFFLOAD, torch.device("cuda"), compiled=True)
+    assert on_cuda == _support.missing(_support.OFFLOAD)  # None from torch 2.10
+
+
+@pytest.mark.slow
+def test_bench_compile_reports_a_compiler_offload_that_fails_as_skipped_with_its_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rule 8 of NOTE [ Compiled runs ]: ``compile:offload`` is an optional peer; where it
+    fails to compile (its stream ops on an older torch), its row says so and the bench
+    goes on (it runs here as it would on CUDA: its reason to skip on the CPU is put aside,
+    and the other rows compile with aot_eager, quicker than inductor)."""
+    from tensorstash.bench import compiled, rounds
+
+    def failing(options: Any = None) -> Any:
+        def backend(graph: torch.fx.GraphModule, inputs: list[Any]) -> Any:
+            raise RuntimeError("stream 3 is not in the stream table")
+
+        return backend
+
+    def quick(self: Any, model: nn.Module, backend: Any = None) -> Any:
+        return torch.compile(model, backend=backend or "aot_eager")
+
+    monkeypatch.setattr(rounds, "skip_reason", lambda name, device, compiled=False: None)
+    monkeypatch.setattr(compiled, "offload_backend", failing)
+    monkeypatch.setattr(compiled.CompileOptions, "compile", quick)
+    rows = bench.run_bench(
+        policies=["none", "keep", bench.COMPILE_OFFLOAD],
+        steps=1,
+        warmup=1,
+        workload=_workload(),
+        compile=True,
+    )
+    by_name = {row.policy: row for row in rows}
+    assert by_name["none"].grads_equal and by_name["keep"].grads_equal
+    skipped = by_name[bench.COMPILE_OFFLOAD].skipped or ""
+    assert skipped.startswith("failed: ") and "stream 3 is not in the stream table" in skipped
+    assert "skipped: failed: " in bench.format_table(rows)
 
 
 def test_compile_offload_marks_the_forward_and_trains_as_the_compiled_model(
@@ -86,6 +139,8 @@ def test_compile_offload_marks_the_forward_and_trains_as_the_compiled_model(
 ) -> None:
     """Rule 8 as far as the CPU goes: the partitioner offloads what the pass marked (a copy
     to the device it is on) and the gradients are the compiled model's alone, bitwise."""
+    if _support.missing(_support.OFFLOAD):
+        pytest.skip(_support.missing(_support.OFFLOAD))
     import torch._functorch._activation_offloading.activation_offloading as offloading
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config

@@ -18,6 +18,7 @@ from checks import counting_stows, leak_check, moved_by_eager_hooks
 from torch import nn
 
 import tensorstash as ts
+from tensorstash.core import _support
 
 TIERS = ("kept", "host", "disk")
 
@@ -25,6 +26,11 @@ pytestmark = pytest.mark.skipif(
     not hasattr(torch, "compile") or not torch._dynamo.is_dynamo_supported(),
     reason="torch.compile is not supported here",
 )
+planned = pytest.mark.skipif(
+    _support.missing(_support.COMPILED) is not None,
+    reason=str(_support.missing(_support.COMPILED)),  # what the plan table says there
+)
+"""Tests of Auto's plans through the compiler (NOTE [ Support range ] rule 2)."""
 
 
 class Block(nn.Module):
@@ -106,6 +112,7 @@ def test_compiled_grads_bitwise(
     assert {row["module"] for row in rows} == {"Sequential"}
 
 
+@planned
 def test_auto_quiet_steps_run_a_compiled_model_without_compiling_it_again() -> None:
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -133,6 +140,7 @@ def test_auto_quiet_steps_run_a_compiled_model_without_compiling_it_again() -> N
     assert frames[1:] == [frames[1]] * 7, frames
 
 
+@planned
 def test_auto_plans_around_a_compiled_function_whose_forward_runs_with_grad_off() -> None:
     """A plan is made while the compiled graph's forward saves its tensors, with grad off
     there: the probe of a recomputed region's cost must not inherit that (it raised
@@ -209,6 +217,41 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def test_auto_plans_compiled_code_as_eager_code_on_a_torch_that_cannot_inline_hooks(
+    fresh_dynamo: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [ Support range ] rule 2 (torch 2.8 and 2.9, as this torch is made to say):
+    planning through the compiler steps aside; the steps are planned as eager code, with
+    the gradients of the compiled model alone; a warning says so once, and so does the
+    plan's table."""
+    from tensorstash.planning import _opening
+
+    said = "planning compiled code through the compiler needs torch 2.10 or newer (...)"
+    monkeypatch.setattr(
+        _support, "missing", lambda feature: said if feature == _support.COMPILED else None
+    )
+    monkeypatch.setattr(_opening, "_warned", [])
+    model = _model().eval()
+    fn = _compiled_fn(model)
+    _, reference = _train(model, fn, None, 1, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sessions, grads = _train(model, fn, ts.Auto(device_budget=256 << 10), 4, ts.Profile())
+    for got in grads:
+        assert all(torch.equal(a, b) for a, b in zip(got, reference[0], strict=True))
+    assert [str(w.message) for w in caught if said in str(w.message)] == [
+        f"tensorstash.Auto: {said}; steps that run compiled code are planned as eager code, "
+        "the session's hooks around the compiled graphs. pip install 'torch>=2.10' to plan "
+        "them through the compiler"
+    ]
+    plans = [s.plan for s in sessions if s.plan is not None]
+    assert all(isinstance(plan, ts.Plan) for plan in plans)  # eager plans, not the compiler's
+    assert all(f"compiled code: {said}; planned as eager code" in p.table() for p in plans)
+    plan = ts.Plan(256 << 10, activation_bytes=1 << 20, held_bytes=1 << 18, reachable_bytes=0)
+    assert f"compiled code: {said}; planned as eager code" in plan.table()
+
+
+@planned
 def test_auto_leaves_compiled_code_that_fits_untouched(fresh_dynamo: Any) -> None:
     """The default budget: one step under the default partitioner's pair learns what the
     compiled graph keeps; every later step pushes nothing and runs the user's graphs."""
@@ -229,6 +272,7 @@ def test_auto_leaves_compiled_code_that_fits_untouched(fresh_dynamo: Any) -> Non
     assert all(tier.tensors == 0 for tier in later[-1].stats.tiers.values())
 
 
+@planned
 def test_auto_plans_compiled_code_with_the_partitioners_budget(fresh_dynamo: Any) -> None:
     """A budget under what the compiled forward keeps: Auto asks the partitioner for the
     setting that fits, moves nothing with eager hooks, and trains as the compiler at that
@@ -269,6 +313,7 @@ def test_auto_plans_compiled_code_with_the_partitioners_budget(fresh_dynamo: Any
         assert all(torch.equal(a, b) for a, b in zip(got, expected[0], strict=True))
 
 
+@planned
 @pytest.mark.slow
 def test_compiled_search_keeps_the_users_partitioner_budget(fresh_dynamo: Any) -> None:
     import torch._functorch.config as functorch_config
@@ -280,6 +325,7 @@ def test_compiled_search_keeps_the_users_partitioner_budget(fresh_dynamo: Any) -
         assert functorch_config.activation_memory_budget == 0.7
 
 
+@planned
 def test_auto_plans_an_eager_model_as_before_in_a_process_that_compiled(
     fresh_dynamo: Any,
 ) -> None:
@@ -306,6 +352,7 @@ def test_auto_plans_an_eager_model_as_before_in_a_process_that_compiled(
     assert moved["host"].tensors + moved["disk"].tensors > 0 or plan.recompute
 
 
+@planned
 def test_auto_plans_compiled_graphs_that_draw_random_numbers_with_their_draws_saved(
     fresh_dynamo: Any,
 ) -> None:
@@ -363,6 +410,7 @@ def test_the_random_ops_pass_marks_the_forwards_draws_and_runs_the_users_pass() 
     assert "recompute" not in late.meta
 
 
+@planned
 def test_auto_sees_the_draws_of_graphs_from_the_compile_cache(
     fresh_dynamo: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
@@ -395,6 +443,7 @@ def test_auto_sees_the_draws_of_graphs_from_the_compile_cache(
     assert 0.0 not in [t.setting for t in plan.trials]
 
 
+@planned
 @pytest.mark.slow
 def test_graphs_cached_under_another_scheme_are_not_found(
     fresh_dynamo: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
@@ -449,21 +498,34 @@ class _Embedded(nn.Module):
         return x.square().mean()
 
 
-def test_session_hooks_are_not_traced_by_dynamo_in_recompute_regions(fresh_dynamo: Any) -> None:
+@pytest.mark.parametrize(
+    "hooks",
+    [
+        "python",
+        pytest.param("c-chosen", marks=pytest.mark.slow),
+        pytest.param("c-auto", marks=pytest.mark.slow),
+    ],
+)
+def test_session_hooks_are_not_traced_by_dynamo_in_recompute_regions(
+    fresh_dynamo: Any, hooks: str
+) -> None:
     """Rule 12 of NOTE [ Session ]: recompute regions inside a compiled model push hooks
     that dynamo traces; the session's own hooks, pushed around the compiled model, must
-    run with dynamo off, or dynamo traces them with fake tensors and fails."""
+    run with dynamo off, or dynamo compiles them with fake tensors and fails. The Python
+    hooks (a profile's), and the C hooks that call back into Python for a policy's pack
+    (lz4) or for Auto's choice."""
     model = _Embedded().eval()
     compiled = torch.compile(model, backend="aot_eager")
     tokens = torch.randint(0, 100, (8, 128), generator=torch.Generator().manual_seed(3))
     compiled(tokens).backward()
     reference = [p.grad.clone() for p in model.parameters()]
-    profile = ts.Profile()
+    profile = ts.Profile() if hooks == "python" else None
+    policy: Any = {"python": "auto", "c-chosen": "lz4", "c-auto": ts.Auto(device_budget=0)}[hooks]
     for _ in range(3):
         model.zero_grad(set_to_none=True)
         names = ts.recompute_modules(model, Block)
         try:
-            with ts.stash("auto", profile=profile):
+            with ts.stash(policy, profile=profile, min_bytes=0):
                 compiled(tokens).backward()
         finally:
             for name in names:
@@ -475,6 +537,7 @@ def test_session_hooks_are_not_traced_by_dynamo_in_recompute_regions(fresh_dynam
 # -- torch.compile's own options: fullgraph, mode, dynamic shapes --
 
 
+@planned
 def test_auto_plans_a_fullgraph_compile(fresh_dynamo: Any) -> None:
     """fullgraph=True: neither the pair nor the first step's eager hooks break the graph."""
     model = _model().eval()
@@ -487,6 +550,7 @@ def test_auto_plans_a_fullgraph_compile(fresh_dynamo: Any) -> None:
         assert all(torch.allclose(a, b) for a, b in zip(got, reference[0], strict=True))
 
 
+@planned
 @pytest.mark.slow
 def test_auto_plans_dynamic_shapes_by_the_most_a_step_kept(fresh_dynamo: Any) -> None:
     """Rule 9 of NOTE [ Compiled code ]: steps of two lengths share one graph per setting;
@@ -511,6 +575,7 @@ def test_auto_plans_dynamic_shapes_by_the_most_a_step_kept(fresh_dynamo: Any) ->
     assert graphs[settled:] == [graphs[settled]] * (len(lengths) - settled)
 
 
+@planned
 @pytest.mark.slow
 def test_auto_plans_reduce_overhead_on_the_cpu_as_the_default_mode(fresh_dynamo: Any) -> None:
     """mode="reduce-overhead" asks for CUDA graphs; on the CPU inductor skips them (and says
@@ -533,6 +598,7 @@ def test_auto_plans_reduce_overhead_on_the_cpu_as_the_default_mode(fresh_dynamo:
         )
 
 
+@planned
 @pytest.mark.slow
 def test_auto_pair_is_not_traced_by_dynamo_in_eager_code_of_a_compiled_function(
     fresh_dynamo: Any,

@@ -4,10 +4,12 @@ tensorstash/planning/compiler.py), fed by hand: which setting each step runs at,
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
 
+from tensorstash.core import _support
 from tensorstash.planning import compiler
 from tensorstash.planning.compiler import CHANCES, EXPLORE, SETTINGS, TIE, CompiledSearch
 
@@ -632,3 +634,180 @@ def test_search_under_a_limit_steps_no_setting_over_its_budget() -> None:
     ran = _run(search, {k: list(v) for k, v in steps.items()}, compiling)
     assert search.settled and ran.count(0.5) == 1  # compiled on the way down, never stepped
     assert search.plan().carry is None and search.plan().moving == 0
+
+
+# -- rule 13: where a step runs, and its time there --
+
+
+def test_a_steps_device_is_where_most_of_what_counts_is_not_the_last_tensor_saved() -> None:
+    """On CUDA, SDPA's memory-efficient kernel saves its RNG seed and offset as CPU
+    scalars; one of them saved last made the step read the host's memory for its budget,
+    lease a CPU pool and pass the carry's gate. (``meta`` stands in for the device.)"""
+    search = CompiledSearch(budget=13 * MIB)
+    step = compiler.CompiledStep(search, 1.0, 64 << 10, None)
+    for _ in range(3):
+        step.count.saved(torch.empty(1 << 20, device="meta"))  # 4 MiB each
+        torch.ops.tensorstash.saved(torch.zeros((), dtype=torch.int64), compiler.SCHEME)  # seed
+    torch.ops.tensorstash.saved(torch.empty(1 << 20, dtype=torch.uint8), compiler.SCHEME)
+    assert step.count.bytes == 13 * MIB and step.count.tensors == 4  # the seeds: too small
+    assert step.count.device == torch.device("meta")
+    assert step.exited() is search and search.device == torch.device("meta")
+    compiler._backward_ended()
+
+
+def test_a_step_whose_graphs_kept_nothing_that_counts_runs_where_the_model_is() -> None:
+    """Rule 13: with only tensors under ``min_bytes`` counted, the model's parameters
+    tell the device; the search is made for it (its budget is read there)."""
+    made: list[torch.device] = []
+
+    def search_for(device: torch.device) -> CompiledSearch:
+        made.append(device)
+        return CompiledSearch(budget=13 * MIB)
+
+    step = compiler.CompiledStep(
+        search_for, 1.0, 64 << 10, None, model_device=lambda: torch.device("meta")
+    )
+    torch.ops.tensorstash.saved.default(torch.zeros(()), compiler.SCHEME)
+    step.count.tensors = 1  # a graph of AOTAutograd's ran (under min_bytes: not counted)
+    search = step.exited()
+    assert made == [torch.device("meta")] and search is not None
+    assert search.device == torch.device("meta")
+
+
+class _Span:
+    """A device clock by hand: its end is marked at the backward's end, and the device
+    gets there when the test says so."""
+
+    def __init__(self, seconds: float) -> None:
+        self.given = seconds
+        self.ended = False
+        self.there = False
+        self.waited = 0
+
+    def backward_ended(self) -> None:
+        self.ended = True
+
+    def seconds(self, wait: bool) -> float | None:
+        if not self.ended:
+            return None
+        if not self.there:
+            if not wait:
+                return None
+            self.waited += 1
+            self.there = True
+        return self.given
+
+
+def test_a_step_on_a_device_is_timed_by_the_device_not_the_host() -> None:
+    """Rule 13: the host's clock ends when the backward's kernels are queued; the device's
+    when they ran. The search waits for the device's figure while it searches."""
+    search = CompiledSearch(budget=13 * MIB)
+    search.device = torch.device("meta")
+    search.measured(1.0, 64 * MIB, 5)
+    spans: list[_Span] = []
+
+    def span(device: torch.device) -> _Span:
+        spans.append(_Span(2.5))
+        return spans[-1]
+
+    step = compiler.CompiledStep(search, 0.5, 0, torch.device("meta"), known=True, span=span)
+    step.count.bytes, step.count.tensors = KEPT[0.5], 5
+    step.exited()
+    compiler._backward_ended()  # the host is done at once; the device is not
+    trial = search.trials[0.5]
+    assert trial.seconds == [] and spans[0].ended and len(search.untimed) == 1
+    search.setting_for_step()  # searching: waits for the device
+    assert spans[0].waited == 1 and trial.seconds == [2.5] and not search.untimed
+
+
+def test_a_settled_plans_device_times_are_taken_once_the_device_gave_them() -> None:
+    """Rule 13: a settled plan's step does not wait for the device; its figure is taken
+    at a later step, once there."""
+    search = CompiledSearch(budget=13 * MIB)
+    search.device = torch.device("meta")
+    search.measured(1.0, 64 * MIB, 5)
+    search.measured(0.5, KEPT[0.5], 5)
+    search.timed(0.5, 1.0, 40 * MIB, compiled=False)
+    search._settle(0.5)
+    span = _Span(1.5)
+    step = compiler.CompiledStep(
+        search, 0.5, 0, torch.device("meta"), known=True, peak=False, span=lambda d: span
+    )
+    step.count.bytes, step.count.tensors = KEPT[0.5], 5
+    step.exited()
+    compiler._backward_ended()
+    assert search.setting_for_step() == 0.5
+    assert span.waited == 0 and search.trials[0.5].seconds == [1.0] and search.untimed
+    span.there = True
+    search.setting_for_step()
+    assert search.trials[0.5].seconds == [1.0, 1.5] and not search.untimed
+
+
+def test_a_step_on_cuda_is_timed_by_cuda_events() -> None:
+    assert compiler.device_span(torch.device("cpu")) is None
+    assert compiler.device_span(torch.device("meta")) is None
+    if torch.cuda.is_available():
+        assert isinstance(compiler.device_span(torch.device("cuda")), compiler.CudaSpan)
+
+
+# -- rule 8: recording CUDA graphs compiles nothing; rule 14: no compile fails for us --
+
+planned = pytest.mark.skipif(
+    _support.missing(_support.COMPILED) is not None,
+    reason=str(_support.missing(_support.COMPILED)),  # a pair's settings need torch 2.10
+)
+
+
+def _args(trigger: str) -> Any:
+    from torch._dynamo.callback import CallbackArgs, CallbackTrigger
+
+    return CallbackArgs(CallbackTrigger[trigger], "911/0")
+
+
+@planned
+def test_recording_a_cuda_graph_sets_nothing_and_is_kept_out_of_the_steps_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``mode="reduce-overhead"`` records CUDA graphs mid-step, inside dynamo's compile
+    callbacks: the partitioner's settings are not patched then (nothing compiles), and
+    the recording's time is taken out of the step's, as a compile's is."""
+    import torch._functorch.config as functorch_config
+
+    now = [100.0]
+    monkeypatch.setattr(compiler, "_CLOCK", compiler._CompileClock(lambda: now[0]))
+    pair = compiler.hooks_for(0.25)
+    user = functorch_config.activation_memory_budget
+    with torch.autograd.graph.saved_tensors_hooks(pair.pack, pair.unpack):
+        compiler._compile_starts(_args("CUDAGRAPH_RECORDING"))
+        assert functorch_config.activation_memory_budget == user
+        now[0] += 3.0
+        compiler._compile_ends(_args("CUDAGRAPH_RECORDING"))
+        compiler._compile_starts(_args("DYNAMO"))  # a compile under the pair: its setting
+        assert functorch_config.activation_memory_budget == 0.25
+        compiler._compile_ends(_args("DYNAMO"))
+    assert functorch_config.activation_memory_budget == user
+    assert compiler._CLOCK.read() == 3.0
+
+
+@planned
+def test_a_compile_callback_that_fails_warns_and_the_compile_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rule 14: an error in tensorstash's compile callbacks never fails the user's compile."""
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("functorch moved")
+
+    monkeypatch.setattr(compiler, "_SaveRandom", broken)  # made as a compile at 0.25 starts
+    monkeypatch.setattr(compiler, "_WARNED", [])
+    pair = compiler.hooks_for(0.25)
+    fn = torch.compile(lambda x: x.sin().sum(), backend="aot_eager")
+    x = torch.randn(8, requires_grad=True)
+    with (
+        pytest.warns(RuntimeWarning, match="functorch moved"),
+        torch.autograd.graph.saved_tensors_hooks(pair.pack, pair.unpack),
+    ):
+        loss = fn(x)
+    loss.backward()
+    assert torch.equal(x.grad, x.cos().detach())
+    assert compiler._local.patches == []  # what the failed start left was taken back

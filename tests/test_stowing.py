@@ -4,6 +4,7 @@ the placement pass puts each stow and fetch next to its uses."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from checks import counting_stows, leak_check, moved_by_eager_hooks
 from torch import fx, nn
 
+from tensorstash.core import _support
 from tensorstash.core.policy import Context
 from tensorstash.core.stats import StashStats
 from tensorstash.planning import _stowing, compiler
@@ -29,6 +31,11 @@ pytestmark = [
     # now and then, with or without a stash
     pytest.mark.usefixtures("one_torch_thread"),
 ]
+inlined = pytest.mark.skipif(
+    _support.missing(_support.COMPILED) is not None,
+    reason=str(_support.missing(_support.COMPILED)),  # what the plan table says there
+)
+"""Tests that compile under a pair, whose hooks AOTAutograd inlines from torch 2.10."""
 
 
 def _model() -> nn.Module:
@@ -82,6 +89,7 @@ def _stowing_step(
     return grads, count.moved
 
 
+@inlined
 @pytest.mark.parametrize(
     "backend",
     ["aot_eager_decomp_partition", pytest.param("inductor", marks=pytest.mark.slow)],
@@ -104,6 +112,7 @@ def test_stowed_tensors_come_back_bitwise_and_leave_no_file(
     leak_check(directories=[tmp_path])
 
 
+@inlined
 def test_eager_hooks_disk_count_leaves_out_exactly_what_the_graphs_stowed(
     fresh_dynamo: None, tmp_path: Path
 ) -> None:
@@ -127,6 +136,7 @@ def test_eager_hooks_disk_count_leaves_out_exactly_what_the_graphs_stowed(
     leak_check(directories=[tmp_path])
 
 
+@inlined
 def test_stowed_tensors_come_back_for_a_second_backward(fresh_dynamo: None, tmp_path: Path) -> None:
     """``retain_graph=True``: the fetch runs twice, and the value is still there."""
     model = _model()
@@ -139,6 +149,7 @@ def test_stowed_tensors_come_back_for_a_second_backward(fresh_dynamo: None, tmp_
     leak_check(directories=[tmp_path])
 
 
+@inlined
 def test_stowed_tensors_of_a_graph_freed_before_backward_leave_no_file(
     fresh_dynamo: None, tmp_path: Path
 ) -> None:
@@ -160,6 +171,7 @@ def test_stowed_tensors_of_a_graph_freed_before_backward_leave_no_file(
     leak_check(directories=[tmp_path])
 
 
+@inlined
 def test_stowed_tensors_without_a_session_stay_in_memory(fresh_dynamo: None) -> None:
     """A compiled forward that runs under a moving pair with no session stowing on its
     thread keeps its own copy: right gradients, no file."""
@@ -208,26 +220,163 @@ def test_placement_puts_a_stow_after_the_last_use_and_a_fetch_before_the_first()
     assert order.index(nodes["fetch"]) == order.index(nodes["e"]) - 1  # its first use
 
 
-def test_placement_comes_before_the_users_own_passes_and_keeps_the_cache_on() -> None:
+def _theirs() -> Any:
+    """The user's own post-grad pass: an inductor ``CustomGraphPass`` with a uuid, which
+    counts its runs."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    class Theirs(CustomGraphPass):  # the user's own post-grad pass
+    class Theirs(CustomGraphPass):
+        def __init__(self) -> None:
+            self.ran = 0
+
         def __call__(self, graph: fx.Graph) -> None:
-            return None
+            self.ran += 1
 
         def uuid(self) -> str:
             return "theirs"
 
-    theirs = Theirs()
+    return Theirs()
+
+
+def _one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor as before torch 2.13: one post-grad pass, no list (NOTE [ Support range ]
+    rule 3)."""
+    from torch._inductor import custom_graph_pass
+
+    monkeypatch.delattr(custom_graph_pass, "get_custom_graph_passes", raising=False)
+
+
+def test_placement_comes_before_the_users_own_passes_and_keeps_the_cache_on() -> None:
+    from torch._inductor import custom_graph_pass
+
+    if not hasattr(custom_graph_pass, "get_custom_graph_passes"):
+        pytest.skip("inductor takes one post-grad pass before torch 2.13 (tested below)")
+    theirs = _theirs()
     for passes in (None, theirs, [theirs, theirs]):
         chosen = _stowing.with_placement(passes)
         assert chosen is not None
         placement, *rest = chosen
         assert rest == ([] if passes is None else [theirs] if passes is theirs else passes)
         # a CustomGraphPass with a uuid: inductor's compile cache stays on
-        assert isinstance(placement, CustomGraphPass) and placement.uuid()
+        assert isinstance(placement, custom_graph_pass.CustomGraphPass) and placement.uuid()
         assert _stowing.with_placement(chosen) is None  # not twice
     graph, nodes = _graph()
     placement(graph)
     order = list(graph.nodes)
     assert order.index(nodes["stow"]) == order.index(nodes["b"]) + 1
+
+
+def test_placement_runs_the_users_own_pass_after_it_where_inductor_takes_one_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before torch 2.13 (2.11 raised ImportError here): one pass that places, then runs
+    the user's, keyed by both for inductor's cache, and by none where theirs has none."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    _one_pass(monkeypatch)
+    theirs = _theirs()
+    alone = _stowing.with_placement(None)
+    chained = _stowing.with_placement(theirs)
+    assert isinstance(alone, CustomGraphPass) and isinstance(chained, CustomGraphPass)
+    assert alone.uuid() and chained.uuid() and alone.uuid() != chained.uuid()
+    assert _stowing.with_placement(chained) is None  # not twice
+    graph, nodes = _graph()
+    chained(graph)
+    order = list(graph.nodes)
+    assert order.index(nodes["stow"]) == order.index(nodes["b"]) + 1
+    assert theirs.ran == 1
+    assert _stowing.with_placement(lambda graph: None).uuid() is None  # theirs: no cache
+
+
+@inlined
+@pytest.mark.slow
+def test_stowed_tensors_come_back_bitwise_where_inductor_takes_one_pass(
+    fresh_dynamo: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    _one_pass(monkeypatch)
+    placed: list[int] = []
+    place = _stowing.place
+    monkeypatch.setattr(_stowing, "place", lambda graph: placed.append(place(graph)) or 0)
+    model = _model()
+    fn = torch.compile(lambda x: model(x).square().mean(), backend="inductor")
+    expected = _grads(model, fn)
+    with (  # compiled here, not found in the caches (where the pass already ran)
+        inductor_config.patch(fx_graph_cache=False),
+        functorch_config.patch(enable_autograd_cache=False),
+    ):
+        grads, moved = _stowing_step(model, fn, tmp_path, 1 << 20)
+    assert moved >= 1 << 20 and len(placed) == 2 and all(placed)  # forward and backward
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
+    gc.collect()
+    leak_check(directories=[tmp_path])
+
+
+# -- rule 12: the placement is in force only while a pair that moves can compile --
+
+
+def _args(trigger: str, compile_id: str) -> Any:
+    from torch._dynamo.callback import CallbackArgs, CallbackTrigger
+
+    return CallbackArgs(CallbackTrigger[trigger], compile_id)
+
+
+def _post_grad_passes_in(trigger: str, compile_id: str, pair: Any = None) -> Any:
+    """The post-grad passes inductor compiles with while dynamo's callbacks bracket a
+    compile (``pair`` pushed, if any)."""
+    import torch._inductor.config as inductor_config
+
+    hooks = (
+        torch.autograd.graph.saved_tensors_hooks(pair.pack, pair.unpack)
+        if pair is not None
+        else contextlib.nullcontext()
+    )
+    with hooks:
+        compiler._compile_starts(_args(trigger, compile_id))
+        try:
+            return inductor_config.post_grad_custom_post_pass
+        finally:
+            compiler._compile_ends(_args(trigger, compile_id))
+
+
+def _placed(passes: Any) -> bool:
+    listed = passes if isinstance(passes, list) else [passes]
+    return any(getattr(each, "tensorstash_placement", False) is True for each in listed)
+
+
+@inlined
+def test_placement_is_in_force_for_a_moving_pairs_graphs_and_their_lazy_backward() -> None:
+    moving = compiler.hooks_for(0.5, 3 << 20)
+    assert _placed(_post_grad_passes_in("DYNAMO", "901/0", moving))
+    assert not _placed(_post_grad_passes_in("DYNAMO", "902/0", compiler.hooks_for(0.5)))
+    assert not _placed(_post_grad_passes_in("DYNAMO", "903/0"))  # the user's own compile
+    assert not _placed(_post_grad_passes_in("LAZY_BACKWARD", "902/0"))
+    assert _placed(_post_grad_passes_in("LAZY_BACKWARD", "901/0"))  # its pair is gone by now
+    assert not _placed(_post_grad_passes_in("LAZY_BACKWARD", "901/0"))  # compiled once
+    import torch._inductor.config as inductor_config
+
+    assert inductor_config.post_grad_custom_post_pass is None  # the user's, back
+
+
+def test_compiles_after_a_moving_pair_was_made_are_the_users_own(
+    fresh_dynamo: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a pair that moved was made, every later compile in the process ran the
+    placement pass (and under torch 2.11 failed): a compile of the user's own, with no pair
+    pushed, compiles as it would without tensorstash."""
+    import torch._inductor.config as inductor_config
+
+    _one_pass(monkeypatch)  # as 2.11: the compile failed with an ImportError
+    compiler.hooks_for(0.5, 3 << 20)
+    seen: list[Any] = []
+
+    def backend(graph: torch.fx.GraphModule, inputs: list[Any]) -> Any:
+        seen.append(inductor_config.post_grad_custom_post_pass)
+        return graph.forward
+
+    fn = torch.compile(lambda x: (x.sin() * 2).sum(), backend=backend)
+    x = torch.randn(8, requires_grad=True)
+    fn(x).backward()
+    assert seen == [None] and torch.equal(x.grad, 2 * x.cos().detach())

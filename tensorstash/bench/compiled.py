@@ -48,7 +48,14 @@
    bench's marks every node of the forward ``should_offload``, and the
    partitioner offloads those of them it keeps for backward and can
    (intermediates, contiguous, no views). On the CPU the host is the device:
-   the row is skipped, with that reason.
+   the row is skipped, with that reason; before torch 2.10 there is no such
+   offload, and the row says so. It is an optional peer (rule 11 of NOTE
+   [ Fair comparison ] in rounds.py): where it fails to compile or run, its
+   row is skipped with its error, and the rest of the bench goes on.
+9. ``--compile`` runs every ``compile:<b>`` row and ``compile:offload`` beside
+   the variants, unless ``--policies`` names some of them: then those only.
+   Each is a compile of its own, and on a large model a compile takes longer
+   than the steps do.
 """
 
 from __future__ import annotations

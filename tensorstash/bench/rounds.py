@@ -77,10 +77,12 @@ model, and the numbers are only comparable if nothing but the variant differs:
 10. ``--dtype bfloat16`` runs the forward under bfloat16 autocast, weights and
     gradients staying float32, the reference too. Each dtype is a run of its
     own (reference, activation bytes, rounds); ``--sweep`` runs both.
-11. An optional peer (another library's offloader) or one of HF's own
-    (NOTE [ HF peers ]) that raises while it is made or run is left out of the
-    rest of the run: its row says it was skipped and why, the hooks it left
-    pushed are popped, and every other variant goes on.
+11. An optional peer (another library's offloader, or the compiler's own
+    offload, ``compile:offload``, whose stream ops are marked for testing in
+    some torch releases) or one of HF's own (NOTE [ HF peers ]) that raises
+    while it is made, compiled or run is left out of the rest of the run: its
+    row says it was skipped and why, the hooks it left pushed are popped, and
+    every other variant goes on.
 """
 
 from __future__ import annotations
@@ -94,7 +96,12 @@ from pathlib import Path
 
 import torch
 
-from tensorstash.bench.compiled import COMPILE_PREFIX, COMPILE_RUNS, compiled_run
+from tensorstash.bench.compiled import (
+    COMPILE_OFFLOAD,
+    COMPILE_PREFIX,
+    COMPILE_RUNS,
+    compiled_run,
+)
 from tensorstash.bench.hf import is_hf_peer
 from tensorstash.bench.measure import (
     DTYPES,
@@ -144,13 +151,21 @@ def planned_steps(
     """How many steps :func:`run_bench` runs: reference, warm-up, timed and extra rounds,
     and up to ``LEARNING_ROUNDS`` rounds more while a planner learns (rule 3); HF's peers
     count only with a ``workload`` they run on."""
-    requested = [*policies, *(COMPILE_RUNS if compile else ())]
+    requested = with_compile_rows(policies, compile)
     names = _runnable(
         resolve_policies(requested), torch.device(device), compiled=compile, workload=workload
     )
     extra = int(timeline) + int(memory_snapshot)
     twin_count = sum(len(group) - 1 for group in _groups(names, twins=twins))
     return 2 + len(names) * (warmup + steps + extra) + twin_count * (warmup + steps)
+
+
+def with_compile_rows(policies: Sequence[str], compile: bool) -> list[str]:
+    """``policies``, and with ``compile`` the compiler's own rows beside them: every one of
+    them, or only those ``policies`` names (rule 9 of NOTE [ Compiled runs ])."""
+    if not compile or any(name.startswith(COMPILE_PREFIX) for name in policies):
+        return list(policies)
+    return [*policies, *COMPILE_RUNS]
 
 
 def _learning(warm: dict[str, list[StepResult]]) -> bool:
@@ -255,7 +270,7 @@ def run_bench(
         >>> for row in run_bench("tiny", ["lz4", "auto:50%"], steps=2):
         ...     print(row.policy, row.real_peak_bytes, row.overhead, row.grads_equal)
     """
-    names = resolve_policies([*policies, *(COMPILE_RUNS if compile else ())])
+    names = resolve_policies(with_compile_rows(policies, compile))
     if steps < 1 or warmup < 0:
         raise ValueError(
             f"tensorstash bench: steps={steps}, warmup={warmup}; pass steps >= 1 "
@@ -388,7 +403,7 @@ class _Rounds:
 
     def _step(self, name: str) -> StepResult | None:
         """One step of ``name``; rule 11: an optional peer that raises is left out."""
-        if name not in OPTIONAL_PEERS and not is_hf_peer(name):
+        if name not in OPTIONAL_PEERS and name != COMPILE_OFFLOAD and not is_hf_peer(name):
             return self.runner.step(name)
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         try:

@@ -45,6 +45,7 @@ from tensorstash.bench.hf import (
     is_hf_peer,
 )
 from tensorstash.bench.workloads import Workload
+from tensorstash.core import _support
 from tensorstash.core._sizes import Share, parse_size
 from tensorstash.memory._memory import real_memory_now
 from tensorstash.planning.auto import LIMIT_LEAST
@@ -232,6 +233,8 @@ def skip_reason(
             "the compiler's offload copies device tensors to the host; on the "
             f"{device.type} the host is the device"
         )
+    if name == COMPILE_OFFLOAD:
+        return _support.missing(_support.OFFLOAD)  # NOTE [ Support range ] rule 2
     if name == "recompute" and compiled:
         return (
             "its regions wrap the model's blocks, which the compiled graphs run inside; "

@@ -72,9 +72,18 @@ class Chooser:
         self.hot.unpost()
 
     def follow(self, plan: Plan | None) -> None:
-        """The step's plan decides from here (what was posted no longer holds)."""
+        """The step's plan decides from here (what was posted no longer holds), and the
+        tiers that copy to the host take their room for copies in flight from it."""
         self.plan = plan
         self.hot.unpost()
+        self._remake_tiers()
+
+    def _remake_tiers(self) -> None:
+        """The tiers made so far are made again at first use, with the room of the plan
+        in force (``inflight_room``, ``pending_room``): a session may run several steps,
+        and a tier made in a step without a plan would wait for every copy after it."""
+        for tier in ("offload", "compress", "spill"):
+            self.__dict__.pop(tier, None)
 
     def budget_on(self, device: torch.device) -> int:
         """The session's device budget in bytes, the limits resolved on ``device`` if not yet."""
@@ -108,6 +117,7 @@ class Chooser:
         self.set_budget(budget)
         host_total = self.select._read("host", HOST, self.auto.host_probe)[1]
         self.reserve = resolve_budget(reserve, host_total)
+        self._remake_tiers()  # their room follows the budget
 
     def set_budget(self, budget: int) -> None:
         """The saved bytes this session may hold on the device from now (rules 4 and 5)."""
@@ -116,7 +126,8 @@ class Chooser:
         self.keep_below = self.budget - self.window
 
     # The tiers, made when first chosen: a step that keeps everything makes none
-    # (a DiskSpill checks its directory when made).
+    # (a DiskSpill checks its directory when made); made again when the plan or the
+    # budget changes, which their room depends on.
 
     @functools.cached_property
     def offload(self) -> Policy:

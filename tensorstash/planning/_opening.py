@@ -14,17 +14,23 @@ a profile opens otherwise than hooked:
    code, it opens hooked under the default partitioner's pair, which hands
    eager code's tensors to the session's hooks and tells, at the step's end,
    whether compiled graphs ran (rule 5 of NOTE [ Compiled code ]).
+4. On a torch without AOTAutograd's inlined hooks (NOTE [ Support range ] in
+   core/_support.py) rules 1 and 3 step aside: the step opens as an eager
+   one, its hooks around the compiled graphs; once something was compiled, a
+   warning says so (once), and the plan's table says so.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from tensorstash.core import _support
 from tensorstash.core.policy import Context
 from tensorstash.planning import _limit, compiler
 from tensorstash.session.quiet import HOOKED, Opening, State
@@ -92,7 +98,7 @@ def compiled_planning(auto: Any, ctx: Context, min_bytes: int) -> CompiledStepPl
     """Rule 1: the planning of a step of compiled code, or None where the profile's steps
     did not run compiled code (or it is not known yet)."""
     profile = ctx.profile
-    if profile is None or not compiler.dynamo_live():
+    if not _planned_whole(profile):
         return None
     if not compiler.known(profile).compiled:
         return None
@@ -110,6 +116,7 @@ def compiled_planning(auto: Any, ctx: Context, min_bytes: int) -> CompiledStepPl
         known=True,
         peak=not search.settled,
         moving=search.moving,
+        model_device=functools.partial(_model_device, profile),
     )
     stow = (_disk(auto.directory), ctx) if search.moving else None
     pair = CompiledPair(step, profile, whole=True, stow=stow)
@@ -150,11 +157,7 @@ def detecting(auto: Any, ctx: Context, min_bytes: int, quiet: bool) -> Opening:
     profile = ctx.profile
     if quiet:
         return OPENED_QUIET
-    if (
-        profile is None
-        or not compiler.dynamo_live()
-        or compiler.known(profile).compiled is not None
-    ):
+    if not _planned_whole(profile) or compiler.known(profile).compiled is not None:
         return HOOKED
     compiler.prepare()  # before the profile's step begins: one-time work
 
@@ -162,5 +165,35 @@ def detecting(auto: Any, ctx: Context, min_bytes: int, quiet: bool) -> Opening:
         compiler.known(profile).device = device
         return _search(auto, ctx, profile, device)
 
-    step = compiler.CompiledStep(search, 1.0, min_bytes, None)
+    model_device = functools.partial(_model_device, profile)
+    step = compiler.CompiledStep(search, 1.0, min_bytes, None, model_device=model_device)
     return Opening(State.HOOKED, CompiledPair(step, profile, whole=False))
+
+
+def _planned_whole(profile: Any) -> bool:
+    """Rules 1, 3 and 4: whether a step of ``profile`` may be planned through the compiler."""
+    if profile is None or not compiler.dynamo_live():
+        return False
+    missing = _support.missing(_support.COMPILED)
+    if missing is None:
+        return True
+    if not _warned and compiler.compiled_some():
+        _warned.append(missing)
+        warnings.warn(
+            f"tensorstash.Auto: {missing}; steps that run compiled code are planned as eager "
+            f"code, the session's hooks around the compiled graphs. pip install "
+            f"'torch>={_support.COMPILED_FLOOR}' to plan them through the compiler",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+    return False
+
+
+_warned: list[str] = []
+
+
+def _model_device(profile: Any) -> torch.device | None:
+    """Rule 13 of NOTE [ Compiled code ]: where the profile's model has its parameters."""
+    root = profile.root
+    parameter = next(root.parameters(), None) if root is not None else None
+    return None if parameter is None else parameter.device

@@ -54,7 +54,9 @@ class _Holder(bytearray):
     packed: Any
 
 
-@torch.library.custom_op("tensorstash::stow", mutates_args=(), **OP_TAGS)
+@torch.library.custom_op(
+    "tensorstash::stow", mutates_args=(), schema="(Tensor tensor, str scheme) -> Tensor", **OP_TAGS
+)
 def _stow(tensor: Tensor, scheme: str) -> Tensor:
     from tensorstash.planning import compiler
 
@@ -72,6 +74,7 @@ def _stow(tensor: Tensor, scheme: str) -> Tensor:
     count = compiler.thread_count()
     count.moved += tensor.nbytes
     count.tensors += 1
+    count.counted(tensor, tensor.nbytes)
     with _HELD_LOCK:
         key = next(_ids)
         _HELD[key] = holder
@@ -84,7 +87,12 @@ def _stow_fake(tensor: Tensor, scheme: str) -> Tensor:
     return torch.empty(8, dtype=torch.uint8)
 
 
-@torch.library.custom_op("tensorstash::fetch", mutates_args=(), **OP_TAGS)
+@torch.library.custom_op(
+    "tensorstash::fetch",
+    mutates_args=(),
+    schema="(Tensor token, SymInt[] shape, SymInt[] stride, ScalarType dtype) -> Tensor",
+    **OP_TAGS,
+)
 def _fetch(token: Tensor, shape: list[int], stride: list[int], dtype: torch.dtype) -> Tensor:
     from tensorstash.planning import compiler
 
@@ -137,17 +145,27 @@ def fetch(packed: tuple[Tensor, tuple[int, ...], tuple[int, ...], Any]) -> Tenso
     return torch.ops.tensorstash.fetch.default(token, list(shape), list(stride), dtype)
 
 
-def with_placement(passes: Any) -> list[Any] | None:
+def with_placement(passes: Any) -> Any:
     """The ``post_grad_custom_post_pass`` to compile with: the placement pass
     (:func:`place`) first, then the user's own (one pass, a list of them, or None); None
     where the placement pass is there already.
 
-    Each is an inductor ``CustomGraphPass`` with a ``uuid``, so inductor's compile cache
-    stays on (a pass of another kind turns it off). Made on first use, as inductor is
-    imported only where something compiles.
+    Inductor takes a list of passes from torch 2.13 on, and one pass before: there the
+    placement pass is one that runs the user's pass after its own (NOTE [ Support range ]
+    rule 3 in core/_support.py). Each is an inductor ``CustomGraphPass`` with a ``uuid``,
+    so inductor's compile cache stays on where the user's passes keep it on (a pass of
+    another kind turns it off). Made on first use, as inductor is imported only where
+    something compiles.
     """
-    from torch._inductor.custom_graph_pass import get_custom_graph_passes
+    try:
+        from torch._inductor.custom_graph_pass import get_custom_graph_passes
+    except ImportError:  # one pass, before torch 2.13
+        if getattr(passes, "tensorstash_placement", False) is True:
+            return None
+        from torch._inductor import custom_graph_pass
 
+        aware = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
+        return _placement_class(aware is not None and isinstance(passes, aware))(passes)
     theirs = get_custom_graph_passes(passes)
     if any(getattr(each, "tensorstash_placement", False) is True for each in theirs):
         return None
@@ -155,17 +173,34 @@ def with_placement(passes: Any) -> list[Any] | None:
 
 
 @functools.cache
-def _placement_class() -> type:
-    from torch._inductor.custom_graph_pass import CustomGraphPass
+def _placement_class(inference_aware: bool = False) -> type:
+    """The placement pass's class: an inductor pass that is told whether the graph is an
+    inference graph where the user's own pass it runs after it is (torch 2.12)."""
+    from torch._inductor import custom_graph_pass
 
-    class Placement(CustomGraphPass):
+    base = (
+        custom_graph_pass.CustomInferenceAwareGraphPass
+        if inference_aware
+        else custom_graph_pass.CustomGraphPass
+    )
+
+    class Placement(base):  # type: ignore[misc, valid-type]
         tensorstash_placement = True
 
-        def __call__(self, graph: fx.Graph) -> None:
+        def __init__(self, then: Any = None) -> None:
+            self.then = then  # the user's own pass, where inductor takes one pass only
+
+        def __call__(self, graph: fx.Graph, *args: Any, **kwargs: Any) -> None:
             place(graph)
+            if self.then is not None:
+                self.then(graph, *args, **kwargs)
 
         def uuid(self) -> Any:
-            return ("tensorstash-placement", 1)
+            if self.then is None:
+                return ("tensorstash-placement", 1)
+            theirs = getattr(self.then, "uuid", None)
+            key = theirs() if callable(theirs) else None
+            return None if key is None else ("tensorstash-placement", 1, key)  # None: no cache
 
     return Placement
 

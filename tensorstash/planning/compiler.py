@@ -15,9 +15,11 @@
    such a pair into the graphs it compiles under it and turns hooks off
    while those graphs run: no eager hook runs around compiled code. Eager
    code calls the pair as ordinary hooks, which hand the tensor to the
-   session's own pair (``handing``), with dynamo off: eager code inside a
-   compiled function (past a graph break) runs under dynamo's frame
-   callback, which would otherwise trace the hooks as user code.
+   session's own pair (``handing``), with dynamo off (core/_frames.py): eager
+   code inside a compiled function (past a graph break) runs under dynamo's
+   frame callback, which would otherwise trace the hooks as user code. This
+   needs torch 2.10 (NOTE [ Support range ] in core/_support.py); before it,
+   ``Auto`` plans compiled code as eager code, and its plan table says so.
 3. The inlined pack passes each saved tensor through ``tensorstash::saved``,
    which adds its bytes (those at or over the session's ``min_bytes``) to the
    thread's count and returns an empty token; the inlined unpack passes the
@@ -100,7 +102,11 @@
    (``mode="reduce-overhead"``): both are tagged ``cudagraph_unsafe``, and
    inductor leaves them out of the CUDA graphs it records (it partitions the
    graph around them, or records none for it). On the CPU inductor records
-   no CUDA graphs: that mode compiles as the default one does.
+   no CUDA graphs: that mode compiles as the default one does. Recording
+   runs mid-step inside dynamo's compile callbacks: it compiles nothing, so
+   no setting is patched then, and its time is kept out of the step's as a
+   compile's is (the step that recorded gives its time less the recording,
+   and no real peak: the graphs' memory pool is made then).
 9. With dynamic shapes a step may keep more than the steps before it: a
    setting fits where the most any of its steps kept fits, and a plan whose
    step kept more than the budget is searched again from what is known. A
@@ -159,16 +165,33 @@
     value back into a tensor the backward owns (the backward may write over
     it, and a second backward reads it again). AOTAutograd inlines both at the
     forward's end and the backward's start, where moving saves nothing at the
-    peak: while a pair that moves exists, every graph inductor compiles runs a
-    post-grad pass (``_stowing.with_placement``, before the user's own) that puts
-    each stow after its tensor's last forward use and each fetch before its
-    value's first backward use (the lazy backward compile has no pair pushed,
-    so the pass cannot wait for one). The carry is compiled once and stepped
+    peak: a graph inductor compiles under a pair that moves runs a post-grad
+    pass (``_stowing.with_placement``, before the user's own) that puts each
+    stow after its tensor's last forward use and each fetch before its value's
+    first backward use; so does the backward compiled lazily for it, with no
+    pair pushed then, found by the compile id dynamo gives both. Every other
+    compile, the user's own among them, runs as it would without tensorstash.
+    The carry is compiled once and stepped
     for its real peak, and is the plan where it keeps within the budget, held
     ``LOWER`` less than the plan at a step as fast (``TIE``; left out for speed
     only once it has ``CHANCES`` timings, as in rule 5); else the plan stays,
     and rule 11 warns. A budget its carry no longer fits drops it. On a device, what
     leaves it is the compiler's own offload; no carry is made there.
+13. A step runs where most of the bytes its graphs keep are, those at or over
+    ``min_bytes`` (``tensorstash::saved`` counts them by device): on CUDA,
+    SDPA's memory-efficient kernel saves its RNG seed and offset as CPU
+    scalars, which tell nothing of where the step runs. Where nothing counts,
+    the model's parameters tell. A step on CUDA is timed on the device: CUDA
+    events on the current stream where the step opens and when its backward
+    ends (autograd runs that callback on the streams of the code that called
+    backward, synced with the backward's own), so that queued work is in the
+    time and a setting that recomputes more does not look as fast. The figure
+    is read at the search's next step: while it searches it waits for the
+    device there, at the edge of the steps it measures; a settled plan takes
+    the figures the device has given and reads the rest later.
+14. A compile never fails for tensorstash: an error in its compile callbacks
+    is warned of once, and the compile goes on with the compiler's own
+    settings (the search then sees what the graphs keep, and plans on that).
 """
 
 from __future__ import annotations
@@ -180,14 +203,17 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from weakref import WeakKeyDictionary
 
 import torch
 from torch import Tensor, fx, nn
 
+from tensorstash.core._frames import keep_out
+from tensorstash.core._timers import CudaTimer
 from tensorstash.core.stats import human_bytes
 from tensorstash.memory import _pool
 from tensorstash.memory._memory import meter
@@ -241,20 +267,40 @@ class _Count:
     tensors: int = 0
     moved: int = 0  # rule 12: the bytes stowed
     min_bytes: int = 0
-    device: torch.device | None = None
+    devices: dict[torch.device, int] = field(default_factory=dict)  # counted bytes, by device
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where the step runs (rule 13): the device of most of the bytes counted; None
+        where nothing counted."""
+        devices = self.devices
+        return max(devices, key=devices.__getitem__) if devices else None
+
+    def saved(self, tensor: Tensor) -> None:
+        """A compiled forward keeps ``tensor`` for backward (``tensorstash::saved``)."""
+        nbytes = tensor.nbytes
+        if nbytes >= self.min_bytes:
+            self.bytes += nbytes
+            self.tensors += 1
+            self.counted(tensor, nbytes)  # rule 13: under min_bytes, it tells no device
+
+    def counted(self, tensor: Tensor, nbytes: int) -> None:
+        """A tensor at or over ``min_bytes`` the step keeps or stows."""
+        device = tensor.device
+        self.devices[device] = self.devices.get(device, 0) + nbytes
 
 
 _OP_TAGS = _stowing.OP_TAGS  # rule 8
 
 
-@torch.library.custom_op("tensorstash::saved", mutates_args=(), **_OP_TAGS)
+@torch.library.custom_op(
+    "tensorstash::saved",
+    mutates_args=(),
+    schema="(Tensor tensor, str scheme) -> Tensor",
+    **_OP_TAGS,
+)
 def _saved(tensor: Tensor, scheme: str) -> Tensor:
-    count = _count()
-    nbytes = tensor.nbytes
-    if nbytes >= count.min_bytes:
-        count.bytes += nbytes
-        count.tensors += 1
-    count.device = tensor.device
+    _count().saved(tensor)
     return tensor.new_empty(0)
 
 
@@ -263,7 +309,9 @@ def _saved_fake(tensor: Tensor, scheme: str) -> Tensor:
     return tensor.new_empty(0)
 
 
-@torch.library.custom_op("tensorstash::reached", mutates_args=(), **_OP_TAGS)
+@torch.library.custom_op(
+    "tensorstash::reached", mutates_args=(), schema="(Tensor token) -> ()", **_OP_TAGS
+)
 def _reached(token: Tensor) -> None:
     note_reached()
 
@@ -289,6 +337,7 @@ _PENDING: list[CompiledStep] = []  # steps whose forward ended, waiting for thei
 _PENDING_LOCK = threading.Lock()
 _queued = False
 _ENDED: list[float] = []  # when the last backward through compiled graphs ended, if any
+_SPANS: weakref.WeakSet[Span] = weakref.WeakSet()  # rule 13: device clocks of open steps
 
 
 def _backward_ended() -> None:
@@ -300,6 +349,9 @@ def _backward_ended() -> None:
         _ENDED[:] = [now]
         steps = _PENDING[:]
         _PENDING.clear()
+        spans = list(_SPANS)
+    for span in spans:  # rule 13: the device's end, before the steps read it
+        span.backward_ended()
     for step in steps:
         step.finished(now)
 
@@ -311,13 +363,13 @@ def _last_backward_end() -> float | None:
 
 def _compiling() -> dict[str, Any] | None:
     """What AOTAutograd says of the saved tensor it is asking about (its graphs, its
-    node), or None for an eager call."""
+    node), or None for an eager call, or where AOTAutograd inlines no hooks (before
+    torch 2.10: NOTE [ Support range ] in core/_support.py)."""
     # Not imported until AOTAutograd first compiles: an eager call then, and importing it
     # here would bring in the compiler (several MiB) for a model that never compiles.
     graph_compile = sys.modules.get("torch._functorch._aot_autograd.graph_compile")
-    if graph_compile is None:
-        return None
-    return graph_compile._get_saved_tensor_hook_context()
+    context = getattr(graph_compile, "_get_saved_tensor_hook_context", None)
+    return None if context is None else context()
 
 
 def prepare() -> CompilerHooks:
@@ -441,44 +493,30 @@ class CompilerHooks:
 
 _PAIRS: dict[tuple[float, int], CompilerHooks] = {}
 _PAIRS_LOCK = threading.Lock()
-_moving_made = False  # rule 12: a pair that moves was made (its backward compiles place too)
+
+# Rule 2: the pair's calls run with dynamo off. Autograd calls a saved-tensor hook from
+# the frame that saves the tensor; where that frame runs eagerly inside a compiled
+# function (past a graph break, or a frame dynamo skips), dynamo would trace the hook, and
+# the session's hooks it hands to, as user code.
+keep_out(_Pack.__call__, _Unpack.__call__)
 
 
 def hooks_for(setting: float, moving: int = 0) -> CompilerHooks:
     """The process's pair for ``setting`` that stows ``moving`` bytes a graph (rule 12),
     the same object every time (rule 4)."""
-    global _moving_made
     with _PAIRS_LOCK:
-        _keep_dynamo_out()
         pair = _PAIRS.get((setting, moving))
         if pair is None:
             pair = _PAIRS[(setting, moving)] = CompilerHooks(setting, moving)
-        _moving_made = _moving_made or moving > 0
         _watch_compiles()
         return pair
-
-
-_dynamo_kept_out = False
-
-
-def _keep_dynamo_out() -> None:
-    """Rule 2: the pair's calls run with dynamo off. Autograd calls a saved-tensor hook
-    from the frame that saves the tensor; where that frame runs eagerly inside a compiled
-    function (past a graph break, or a frame dynamo skips), dynamo would trace the hook,
-    and the session's hooks it hands to, as user code. Done once, when dynamo is live."""
-    global _dynamo_kept_out
-    if _dynamo_kept_out:
-        return
-    import torch._dynamo
-
-    _Pack.__call__ = torch._dynamo.disable(_Pack.__call__)  # type: ignore[method-assign]
-    _Unpack.__call__ = torch._dynamo.disable(_Unpack.__call__)  # type: ignore[method-assign]
-    _dynamo_kept_out = True
 
 
 def _watch_compiles() -> None:
     """Rule 4: set the pair's budget while a graph compiles under it. Registered again
     where ``torch._dynamo.reset()`` cleared dynamo's callbacks."""
+    import torch._dynamo
+
     handler = torch._dynamo.callback_handler
     if _compile_starts not in getattr(handler, "start_callbacks", ()):
         handler.register_start_callback(_compile_starts)
@@ -515,28 +553,128 @@ class _CompileClock:
 _CLOCK = _CompileClock()
 
 
-def _compile_starts(*_: Any) -> None:
-    import torch._functorch.config as config
+class Span(Protocol):
+    """Rule 13: a step's clock on its device."""
 
+    def backward_ended(self) -> None:
+        """The backward ended (on the engine's thread): mark the device's end."""
+
+    def seconds(self, wait: bool) -> float | None:
+        """From the step's start to the last end marked, once the device got there; None
+        before an end was marked, or while the device is not there yet and not ``wait``."""
+
+
+class CudaSpan:
+    """Rule 13: a step's time on a CUDA device, from events on its current stream.
+
+    The start is recorded where the step opens; the end in the callback autograd runs
+    when a backward ends, on the streams of the code that called backward, which
+    autograd has synced with the backward's own.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.timer = CudaTimer(device)
+        self.start = self.timer.mark()
+        self.end: Any = None
+
+    def backward_ended(self) -> None:
+        self.end = self.timer.mark()
+
+    def seconds(self, wait: bool) -> float | None:
+        end = self.end
+        if end is None or not (wait or self.timer.done(end)):
+            return None
+        return self.timer.seconds(self.start, end)
+
+
+def device_span(device: torch.device) -> Span | None:
+    """Rule 13: the clock of a step on ``device``: CUDA events on CUDA, else None (the
+    host's clock, the CPU's own)."""
+    return CudaSpan(device) if device.type == "cuda" else None
+
+
+@dataclass(frozen=True)
+class Untimed:
+    """Rule 13: a step whose backward ended, and whose time the device has yet to give."""
+
+    span: Span
+    setting: float
+    compiling_s: float
+    peak: int | None
+    compiled: bool
+    moving: int
+
+
+_MOVING: dict[str, None] = {}
+"""Rule 12: the compile ids of forwards compiled under a pair that moves, until their
+backward compiles (oldest first)."""
+MOVING_KEPT = 256
+"""The compile ids :data:`_MOVING` keeps at most: a forward whose backward never compiles
+(one run without grad, say) leaves its id behind."""
+_WARNED: list[str] = []
+
+
+def _compile_starts(args: Any = None) -> None:
+    """Rules 4, 7, 8 and 12 as dynamo's callbacks bracket a compile (``args``: dynamo's
+    ``CallbackArgs``, what started it and its compile id); rule 14: never fails it."""
     _CLOCK.started()
-    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
     saved: list[Any] = getattr(_local, "patches", None) or []
     _local.patches = saved
     patches = contextlib.ExitStack()
     saved.append(patches)
-    if _moving_made:  # rule 12: a backward compiles lazily, with no pair pushed
+    try:
+        _set_for_compile(patches, args)
+    except Exception as error:  # rule 14
+        patches.close()
+        _warn_once(error)
+
+
+def _set_for_compile(patches: contextlib.ExitStack, args: Any) -> None:
+    import torch._functorch.config as config
+
+    trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
+    if trigger == "CUDAGRAPH_RECORDING":
+        return  # rule 8: recording compiles nothing; its time is kept out as a compile's
+    compile_id = str(getattr(args, "compile_id", ""))
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    pack = top[0] if top is not None and isinstance(top[0], _Pack) else None
+    if trigger == "LAZY_BACKWARD":  # rule 12: compiled with no pair pushed
+        moving = compile_id in _MOVING
+        _MOVING.pop(compile_id, None)
+    else:
+        moving = pack is not None and pack.moving > 0
+        if moving:
+            _MOVING[compile_id] = None
+            while len(_MOVING) > MOVING_KEPT:
+                del _MOVING[next(iter(_MOVING))]
+    if moving:
         import torch._inductor.config as inductor_config
 
         passes = _stowing.with_placement(inductor_config.post_grad_custom_post_pass)
         if passes is not None:
             patches.enter_context(inductor_config.patch(post_grad_custom_post_pass=passes))
-    if top is None or not isinstance(top[0], _Pack):
+    if pack is None:
         return
-    setting = top[0].setting
+    setting = pack.setting
     changes: dict[str, Any] = {"activation_memory_budget": setting}
     if setting < 1.0:  # rule 7
         changes["joint_custom_pass"] = _SaveRandom(config.joint_custom_pass)
     patches.enter_context(config.patch(**changes))
+
+
+def _warn_once(error: Exception) -> None:
+    """Rule 14: a compile callback failed; the compile goes on without its settings."""
+    said = f"{type(error).__name__}: {error}"
+    if said in _WARNED:
+        return
+    _WARNED.append(said)
+    warnings.warn(
+        "tensorstash: setting the compiler up for a compile failed; the compile goes on "
+        f"with the compiler's own settings ({said}). This is a bug in tensorstash: please "
+        "report it with the versions of tensorstash.info()",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 class _SaveRandom:
@@ -590,16 +728,25 @@ def _is_random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in tags
 
 
-def _compile_ends(*_: Any) -> None:
+def _compile_ends(args: Any = None) -> None:
+    _CLOCK.ended()
     saved: list[Any] = getattr(_local, "patches", None) or []
     if saved:
-        saved.pop().close()
-    _CLOCK.ended()
+        try:
+            saved.pop().close()
+        except Exception as error:  # rule 14
+            _warn_once(error)
 
 
 def dynamo_live() -> bool:
     """Whether ``torch.compile`` has been used in this process (dynamo is imported then)."""
     return "torch._dynamo" in sys.modules
+
+
+def compiled_some() -> bool:
+    """Whether dynamo has compiled a graph in this process (checkpointing imports dynamo
+    without compiling anything)."""
+    return dynamo_live() and _graphs() > 0
 
 
 @dataclass
@@ -813,6 +960,7 @@ class CompiledSearch:
         self.carry_moving = 0  # rule 12: what the carry stows a graph
         self.carried = False  # rule 12: the plan is the carry
         self.moving = 0  # what the next step stows a graph (rule 12)
+        self.untimed: list[Untimed] = []  # rule 13: steps whose device time is to be read
 
     def rebudget(self, budget: int) -> None:
         """The budget resolved to ``budget`` this step: choose again from the trials if
@@ -865,6 +1013,7 @@ class CompiledSearch:
     def setting_for_step(self) -> float | None:
         """The setting the next step runs at (None: push nothing); :attr:`moving` is
         what it stows a graph (rule 12)."""
+        self._take_times()
         settled = self.settled
         self.moving = 0
         self.current = self._next()
@@ -873,6 +1022,25 @@ class CompiledSearch:
         if self.settled and not settled:
             self._advise()  # rule 11: once the plan is made
         return self.current
+
+    def _take_times(self) -> None:
+        """Rule 13: the device times of the steps whose backward ended: waited for while
+        the search searches; a settled plan takes those the device gave, and keeps the
+        rest for later (at most ``WINDOW``)."""
+        waiting = []
+        for step in self.untimed:
+            seconds = step.span.seconds(wait=not self.settled)
+            if seconds is None:
+                waiting.append(step)
+                continue
+            self.timed(
+                step.setting,
+                seconds - step.compiling_s,
+                step.peak,
+                compiled=step.compiled,
+                moving=step.moving,
+            )
+        self.untimed = waiting[-WINDOW:]
 
     def _next(self) -> float | None:
         if self.settled:
@@ -1179,6 +1347,11 @@ class CompiledStep:
             for what the graphs keep at 1.0 over ``POOL_SHARE`` (at least ``POOL_LEAST``),
             bytes, or None for no lease (``Auto``'s ``trim_every``).
         peak: take the step's real peak (a settled plan's step takes its time only).
+        moving: the bytes a graph stows (rule 12).
+        model_device: where the model's parameters are, for a step whose graphs
+            kept nothing that counts (rule 13; None: not known).
+        span: the device clock of a step on ``device`` (rule 13): None times it on
+            the host, the CPU's case (injected for tests).
     """
 
     def __init__(
@@ -1192,6 +1365,8 @@ class CompiledStep:
         pool: int | str | None = "auto",
         peak: bool = True,
         moving: int = 0,
+        model_device: Callable[[], torch.device | None] = lambda: None,
+        span: Callable[[torch.device], Span | None] = lambda device: device_span(device),
     ) -> None:
         self.search = search
         self.setting = setting
@@ -1208,6 +1383,8 @@ class CompiledStep:
         self.pair = hooks_for(setting, moving)
         count = _count()
         count.bytes = count.tensors = count.moved = 0
+        count.devices = {}
+        self.model_device = model_device
         self.generators = _generators()  # rule 7
         count.min_bytes = min_bytes
         self.count = count
@@ -1217,6 +1394,10 @@ class CompiledStep:
         self.compiling_s = _CLOCK.read()
         self.backward_before = _last_backward_end()
         self.start = time.perf_counter()
+        self.span = span(device) if device is not None else None  # rule 13
+        if self.span is not None:
+            with _PENDING_LOCK:
+                _SPANS.add(self.span)
         self.meter = meter(device, sync=False) if device is not None and peak else None
         if self.meter is not None:
             self.meter.start()
@@ -1232,19 +1413,22 @@ class CompiledStep:
         self.compiled = _graphs() != self.graphs
         if count.tensors == 0 and not self.known:  # no graph of AOTAutograd's kept a tensor
             self._stop()
+            self._drop_span()
             return None
+        device = count.device or self.model_device()  # rule 13
         search = self.search
         if not isinstance(search, CompiledSearch):
-            search = self.search = search(count.device or torch.device("cpu"))
+            search = self.search = search(device or torch.device("cpu"))
         if drew:
             search.drew()
-        search.device = count.device or search.device
+        search.device = device or search.device
         search.measured(self.setting, count.bytes, count.tensors, self.moving)
         if self.compiled:
             self._stop()  # what compiling holds is not the step's peak (rule 5)
         if not count.tensors or not (self.timing or self.lease is not None):
             self._stop()
             self._release()
+            self._drop_span()
             return search
         with _PENDING_LOCK:
             ended = _ENDED[0] if _ENDED and _ENDED[0] != self.backward_before else None
@@ -1256,14 +1440,20 @@ class CompiledStep:
 
     def finished(self, ended: float) -> None:
         """Its backward ended at ``ended``: the step's time, less what compiling took
-        (a lazy backward compile included), and its real peak (rule 5)."""
+        (a lazy backward compile included), and its real peak (rule 5); on a device,
+        its time is the device's, read later (rule 13)."""
         peak = self._stop()
         self._release()
+        span = self._drop_span()
         search = self.search
         if not isinstance(search, CompiledSearch) or not self.timing:
             return
         compiling = _CLOCK.read() - self.compiling_s
         compiled = self.compiled or compiling > 0
+        if span is not None:
+            untimed = Untimed(span, self.setting, compiling, peak, compiled, self.moving)
+            search.untimed.append(untimed)  # read at the search's next step (rule 13)
+            return
         search.timed(
             self.setting,
             ended - self.start - compiling,
@@ -1272,6 +1462,13 @@ class CompiledStep:
             moving=self.moving,
             room=self.room,
         )
+
+    def _drop_span(self) -> Span | None:
+        span, self.span = self.span, None
+        if span is not None:
+            with _PENDING_LOCK:
+                _SPANS.discard(span)
+        return span
 
     def _stop(self) -> int | None:
         if self.meter is None:

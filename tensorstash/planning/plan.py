@@ -177,10 +177,12 @@ from __future__ import annotations
 
 import functools
 import statistics
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tensorstash.core import _support
 from tensorstash.core.stats import human_bytes
 from tensorstash.planning._calibration import (
     CALIBRATION_SPREAD,
@@ -358,7 +360,23 @@ class Plan:
             f"predicted step {self.predicted_step_s:.3f} s ({overhead:.2f}x of a plain step; "
             f"{hooks}), real peak growth {peak}"
         )
+        missing = _compiled_missing()
+        if missing is not None:
+            lines.append(f"compiled code: {missing}; planned as eager code")
         return "\n".join(lines)
+
+
+def _compiled_missing() -> str | None:
+    """Why a step that runs compiled code is planned as eager code here (NOTE [ Support
+    range ] rule 2), where dynamo compiled something in this process; else None."""
+    if "torch._dynamo" not in sys.modules:
+        return None
+    missing = _support.missing(_support.COMPILED)
+    if missing is None:
+        return None
+    from torch._dynamo.utils import counters
+
+    return missing if counters["stats"]["unique_graphs"] else None
 
 
 def make_plan(

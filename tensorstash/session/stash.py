@@ -79,15 +79,16 @@ this order:
    Rules 10 and 11 are the states and transitions of NOTE [ Quiet-step
    machine ] in quiet.py; the session knows a selector only through the
    protocols there.
-12. Compiled code. Once ``torch.compile`` was used in the process (dynamo is
-   imported), the hooks the session pushes run with dynamo off. Autograd
-   calls a pack hook from the frame that saves the tensor; where that frame
-   is eager code inside a compiled function (past a graph break), or one
-   dynamo is tracing, dynamo would otherwise trace the hook and what it
-   calls as user code, with fake tensors, and fail there. Compiled graphs
-   themselves call no hook but at their end (NOTE [ Compiled code ] in
-   planning/compiler.py). Without dynamo the hooks are pushed as they are:
-   the wrapper costs about a microsecond a call.
+12. Compiled code. The hooks the session pushes, and what the C hooks call
+   back into, run with dynamo off. Autograd calls a pack hook from the frame
+   that saves the tensor; where that frame is eager code inside a compiled
+   function (past a graph break, a recompute region in a compiled model),
+   dynamo's frame callback is on, and would take the hook for user code,
+   compile it with fake tensors, and fail there. Each hook's code is marked
+   for dynamo to run as it is, with all it calls (core/_frames.py): nothing
+   is paid for it outside compiled code, as dynamo's frame hook is not even
+   installed there. Compiled graphs themselves call no hook but at their end
+   (NOTE [ Compiled code ] in planning/compiler.py).
 13. One region at a time. A session's open is one region on one thread:
    entering a session that is open (inside itself, or on another thread)
    raises. Used as a decorator, each call opens a fresh session, so a
@@ -112,7 +113,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -122,6 +122,7 @@ import torch
 from torch import Tensor
 
 from tensorstash.core._fastpath import compiled
+from tensorstash.core._frames import keep_out
 from tensorstash.core._names import NAMES
 from tensorstash.core._names import resolve as _resolve
 from tensorstash.core._sizes import parse_size
@@ -453,7 +454,9 @@ class Session:
         """
         packing = self._packing
         if compiled is None or self.record or self.verify or packing.step is not None:
-            return _outside_dynamo(packing.pack, packing.unpack_hook)
+            pack, unpack = packing.pack, packing.unpack_hook
+            keep_out(pack, unpack)  # rule 12
+            return pack, unpack
         hooks = compiled.Hooks(
             owner=self,
             pack=self.pack,
@@ -477,14 +480,22 @@ class Session:
             order=packing.order,
             min_bytes=self.min_bytes,
         )
-        return _outside_dynamo(hooks.pack, hooks.unpack)
+        # Rule 12: the C hooks are no frames; what they call back into is.
+        keep_out(
+            self.pack,
+            self.unpack,
+            packing.choose,
+            packing.pack_chosen,
+            packing.prefetch_from,
+            packing.dedupe.sweep,
+        )
+        return hooks.pack, hooks.unpack
 
     def _pushed_by(self, hook: Any) -> bool:
         """Whether ``hook`` (a pushed pack hook) is this session's, Python's, C's, or the
         compiler pair it pushed."""
         if self._pair is not None and hook is self._pair.pack:
             return True
-        hook = getattr(hook, "__wrapped__", hook)  # rule 12
         hooks = getattr(hook, "__self__", None)
         return hook == self.pack or getattr(hooks, "owner", None) is self
 
@@ -726,16 +737,6 @@ def pause() -> Iterator[None]:
         for session, hooks in reversed(popped):
             torch._C._autograd._push_saved_tensors_default_hooks(*hooks)
             active.append(session)
-
-
-def _outside_dynamo(pack: Any, unpack: Any) -> tuple[Any, Any]:
-    """Rule 12 of NOTE [ Session ]: the hook pair, run with dynamo off once dynamo is in
-    the process."""
-    if "torch._dynamo" not in sys.modules:
-        return pack, unpack
-    import torch._dynamo
-
-    return torch._dynamo.disable(pack), torch._dynamo.disable(unpack)
 
 
 def _same(tensor: Tensor) -> Tensor:
