@@ -31,7 +31,7 @@ test: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
 test-all: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 lint: install
 	$(BIN)/ruff check tensorstash tests benchmarks examples
