@@ -621,7 +621,8 @@ def test_disk_spill_past_its_cap_keeps_tensors_in_memory(tmp_path: Path) -> None
         ("max_disk_bytes", "lots", ValueError, "must be bytes"),
         ("max_disk_bytes", [1], TypeError, "must be None, bytes"),
         ("trim_every", -1, ValueError, "must be at least 0 bytes"),
-        ("trim_every", 1.5, ValueError, "takes no share"),
+        ("trim_every", 1.5, TypeError, "must be None, bytes"),
+        ("trim_every", "50%", ValueError, "takes no share"),
     ],
 )
 def test_disk_spill_checks_its_sizes(
