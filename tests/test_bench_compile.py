@@ -117,7 +117,7 @@ def test_bench_compile_reports_a_compiler_offload_that_fails_as_skipped_with_its
     def quick(self: Any, model: nn.Module, backend: Any = None) -> Any:
         return torch.compile(model, backend=backend or "aot_eager")
 
-    monkeypatch.setattr(rounds, "skip_reason", lambda name, device, compiled=False: None)
+    monkeypatch.setattr(rounds, "skip_reason", lambda name, device, **where: None)
     monkeypatch.setattr(compiled, "offload_backend", failing)
     monkeypatch.setattr(compiled.CompileOptions, "compile", quick)
     rows = bench.run_bench(
