@@ -59,6 +59,8 @@ def parse_size(
         ValueError: a string of no size, a negative size, a share outside (0, 1], a
             share where none is allowed, or a size under ``least``.
     """
+    if type(value) is int and (value == 0 or value >= least):  # every session's min_bytes
+        return value
     spelled = _spellings(share)
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise TypeError(f"{api}: {name} must be {spelled}; got {value!r}")

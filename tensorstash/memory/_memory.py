@@ -57,6 +57,7 @@ import gc
 import importlib
 import os
 import threading
+import time
 from types import ModuleType
 from typing import Any
 
@@ -318,13 +319,27 @@ def real_memory_now(device: torch.device) -> int:
     return current_rss()
 
 
+CAPACITY_TTL_S = 10.0
+"""How long :func:`host_capacity` keeps what it read: a session under a limit asks every
+step, and reading the cgroup's files took about 0.3 ms (a limit set anew is seen within
+this)."""
+
+_capacity: tuple[float, int] | None = None
+
+
 def host_capacity() -> int:
     """The most RAM this process may hold: its cgroup's memory limit where one is set
-    (cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``), else physical RAM."""
+    (cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``), else physical RAM; read
+    again after ``CAPACITY_TTL_S``."""
+    global _capacity
+    now = time.monotonic()
+    if _capacity is not None and now - _capacity[0] < CAPACITY_TTL_S:
+        return _capacity[1]
     total = host_ram()[1]
     for limit in _cgroup_limits():
         if 0 < limit < total:
             total = limit
+    _capacity = (now, total)
     return total
 
 

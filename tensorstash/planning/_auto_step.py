@@ -89,8 +89,10 @@ class _AutoState:
                 )
 
     def _limited_alone(self, device: torch.device) -> None:
-        """A session under a limit, without a profile, resolved its budget on ``device``:
-        it returns the memory it moves out (NOTE [ Memory limit ] rule 4)."""
+        """A session under a limit, without a profile, moves its first tensor out of
+        ``device``: it returns the memory it moves from then (NOTE [ Memory limit ] rule 4;
+        a thread started every step costs about 0.2 ms, so a step that moves nothing
+        starts none)."""
         if self.profile is None and self.watch is None:
             self.watch = watch_first(self.auto, self.stats, device.type)
 

@@ -184,6 +184,10 @@ def resolve(policy: Policy | str) -> Policy:
 # -- the session ----------------------------------------------------------------------------
 
 
+_C_CALLEES_KEPT_OUT: list[bool] = []
+"""Whether the Python functions the C hooks call back into were marked (rule 12)."""
+
+
 class Session:
     """A stash session; see :func:`stash` and NOTE [ Session ].
 
@@ -480,15 +484,18 @@ class Session:
             order=packing.order,
             min_bytes=self.min_bytes,
         )
-        # Rule 12: the C hooks are no frames; what they call back into is.
-        keep_out(
-            self.pack,
-            self.unpack,
-            packing.choose,
-            packing.pack_chosen,
-            packing.prefetch_from,
-            packing.dedupe.sweep,
-        )
+        # Rule 12: the C hooks are no frames; what they call back into is (the methods of
+        # Packing and its dedupe once, the chooser, which varies, at each push).
+        if not _C_CALLEES_KEPT_OUT:
+            keep_out(
+                self.pack,
+                self.unpack,
+                packing.pack_chosen,
+                packing.prefetch_from,
+                packing.dedupe.sweep,
+            )
+            _C_CALLEES_KEPT_OUT.append(True)
+        keep_out(packing.choose)
         return hooks.pack, hooks.unpack
 
     def _pushed_by(self, hook: Any) -> bool:
