@@ -219,10 +219,14 @@ class _AutoState:
     def _peak_due(self, plan: Plan) -> bool:
         """Under a memory limit, whether a step of ``plan`` takes the real peak: fewer than
         PEAK_SAMPLES steps of its kind did (NOTE [ Memory limit ] rule 3), and a quiet
-        step takes none."""
-        return self.auto._parsed[2] is not None and self.profile.needs_peak(
-            plan.recompute, plan.moved_tiers
-        )
+        step takes none; nor does a plan predicted far under its room."""
+        if self.auto._parsed[2] is None or plan.limit_bytes is None or plan.base_bytes is None:
+            return False
+        peak = plan.predicted_peak_bytes
+        room = plan.limit_bytes - plan.base_bytes
+        if peak is not None and peak < _limit.LOOSE_SHARE * room:
+            return False
+        return self.profile.needs_peak(plan.recompute, plan.moved_tiers)
 
     def _quiet_from_here(self, quiet: Any) -> None:
         """The step went quiet (``quiet``: its timing, or None where it is not timed)."""
