@@ -63,10 +63,9 @@ class Chooser:
         self.device_type = "cpu"
         self.limit: int | None = None  # in bytes, once resolved (NOTE [ Memory limit ])
         self.user_budget: int | None = None  # device_budget in bytes, once resolved
-        # Told the device where a session under a limit without a profile first moves a
-        # tensor out (NOTE [ Memory limit ] rule 4): it returns what it moves from then.
-        self.resolved: Callable[[torch.device], None] | None = None
-        self.alone = False  # under a limit without a profile: its budget read each step
+        # Told the device of each tensor moved out: a session under a limit without a
+        # profile returns what it moves from its first (NOTE [ Memory limit ] rule 4).
+        self.moves_out: Callable[[torch.device], None] | None = None
 
     def new_step(self, learning: bool) -> None:
         """A step begins: whether it is a profile's first, and nothing posted carries over."""
@@ -110,7 +109,6 @@ class Chooser:
                 room = self.limit - base
                 if room <= 0:
                     _limit.refuse(self.limit, base, device)
-                self.alone = True
             first = _limit.first_budget(room, None)
             budget = first if budget is None else min(budget, first)
         elif budget is None:
@@ -251,8 +249,8 @@ class Chooser:
 
     def outwards(self, tensor: Tensor, nbytes: int) -> Choice:
         """Rule 5: out of the device, through the recent window."""
-        if self.alone and self.resolved is not None:
-            self.resolved(tensor.device)  # a step that moves nothing starts no watch
+        if self.moves_out is not None:
+            self.moves_out(tensor.device)  # a step that moves nothing starts no watch
         policy, why = self._outwards(tensor, nbytes)
         return (Defer(policy, self.window) if self.window else policy), why
 

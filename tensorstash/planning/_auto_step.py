@@ -45,7 +45,7 @@ class _AutoState:
         self.profile = ctx.profile  # the context holds this state: no reference back to it
         self.stats = ctx.stats
         self.choice = Chooser(auto, ctx)
-        self.choice.resolved = self._limited_alone
+        self.choice.moves_out = self._limited_alone
         self.choose = self.choice.choose  # bound once: the session calls it per tensor
         self.planned_for = False  # whether this step's plan was made
         self.recomputed: list[tuple[str, nn.Module]] = []
@@ -93,7 +93,7 @@ class _AutoState:
         ``device``: it returns the memory it moves from then (NOTE [ Memory limit ] rule 4;
         a thread started every step costs about 0.2 ms, so a step that moves nothing
         starts none)."""
-        if self.profile is None and self.watch is None:
+        if self.profile is None and self.choice.limit is not None and self.watch is None:
             self.watch = watch_first(self.auto, self.stats, device.type)
 
     def woke(self) -> None:
@@ -220,7 +220,7 @@ class _AutoState:
         """Under a memory limit, whether a step of ``plan`` takes the real peak: fewer than
         PEAK_SAMPLES steps of its kind did (NOTE [ Memory limit ] rule 3), and a quiet
         step takes none; nor does a plan predicted far under its room."""
-        if self.auto._parsed[2] is None or plan.limit_bytes is None or plan.base_bytes is None:
+        if plan.limit_bytes is None or plan.base_bytes is None:  # no limit: no peaks due
             return False
         peak = plan.predicted_peak_bytes
         room = plan.limit_bytes - plan.base_bytes
