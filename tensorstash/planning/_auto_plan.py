@@ -9,7 +9,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from tensorstash.core.stats import human_bytes
 from tensorstash.memory import _pool
 from tensorstash.planning import _limit, _rates
 from tensorstash.planning._calibration import step_noise
+from tensorstash.planning._records import plan_of
 from tensorstash.planning.plan import Plan, Rates, make_plan
 from tensorstash.tiers._spillwork import usable_cores
 from tensorstash.tiers.recompute import matches
@@ -75,22 +76,15 @@ def plan_within(
     other = _limit.held_besides(profile)
 
     def tried(plan: Plan) -> bool:
-        return not profile.needs_peak(plan.recompute, plan.moved_tiers)
+        return not profile.needs_peak(plan.kind)
 
     def search() -> Plan | None:
         last = profile.history[-1] if profile.history else None
-        running = None if last is None else _Ran(last.recomputed, frozenset(last.moved))
+        running = None if last is None else plan_of(last)
         noise = step_noise(profile)
         return _limit.within(room, weighed, other, tried, running=running, noise=noise)
 
     return profile.plan_for(("limit", cap, *key), steps, search)
-
-
-class _Ran(NamedTuple):
-    """What the last step's plan recomputed and where it moved bytes (its kind)."""
-
-    recompute: tuple[str, ...]
-    moved_tiers: frozenset[str]
 
 
 def planner(

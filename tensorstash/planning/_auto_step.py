@@ -161,7 +161,7 @@ class _AutoState:
             choice.set_budget(_limit.first_budget(room, root))
             return None
         peak = plan.predicted_peak_bytes
-        known = not profile.needs_peak(plan.recompute, plan.moved_tiers)
+        known = not profile.needs_peak(plan.kind)
         over = peak is not None and peak > target and known
         if over and profile.warn_unreachable(-_limit.rounded(limit)):
             _limit.warn_unreachable(limit, base, plan, room - target)
@@ -226,7 +226,7 @@ class _AutoState:
         room = plan.limit_bytes - plan.base_bytes
         if peak is not None and peak < _limit.LOOSE_SHARE * room:
             return False
-        return self.profile.needs_peak(plan.recompute, plan.moved_tiers)
+        return self.profile.needs_peak(plan.kind)
 
     def _quiet_from_here(self, quiet: Any) -> None:
         """The step went quiet (``quiet``: its timing, or None where it is not timed)."""

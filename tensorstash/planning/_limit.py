@@ -189,8 +189,9 @@ def within(
         other: what the measured steps held besides their saved bytes.
         tried: whether a step of the plan's kind took the real peak; a plan of a kind
             none did must fit with ``UNTRIED_SHARE`` of the room to spare.
-        running: the plan the last step ran, kept where it still fits and the fastest
-            is faster by no more than ``noise`` seconds (a plan does not flip for less).
+        running: the kind of plan the last step ran (``plan_of`` its record), kept where
+            a plan of it still fits and the fastest is faster by no more than ``noise``
+            seconds (a plan does not flip for less).
     """
 
     def over(plan: Any) -> int:
@@ -222,16 +223,12 @@ def within(
     else:
         chosen = min(fitting, key=lambda p: (p.predicted_step_s, -p.budget))
         if running is not None:
-            same = [p for p in fitting if _kind(p) == _kind(running)]
+            same = [p for p in fitting if p.kind == running]
             if same:
                 kept = min(same, key=lambda p: (p.predicted_step_s, -p.budget))
                 if kept.predicted_step_s <= chosen.predicted_step_s + noise:
                     chosen = kept
     return dataclasses.replace(chosen, budget=max(chosen.budget, chosen.held_bytes))
-
-
-def _kind(plan: Any) -> tuple[Any, ...]:
-    return (plan.recompute, plan.moved_tiers)
 
 
 def spread(profile: Any) -> int:

@@ -300,6 +300,12 @@ class Plan:
         return not self.tiers and self.fits
 
     @property
+    def kind(self) -> tuple[tuple[str, ...], frozenset[str]]:
+        """What the plan recomputes and the tiers it moves to: the kind a step that ran
+        it has (``plan_of`` of its record)."""
+        return (self.recompute, self.moved_tiers)
+
+    @property
     def moved_tiers(self) -> frozenset[str]:
         """The stats' tiers the plan moves bytes to, as a step's record names them
         (``StepRecord.moved``: compressed bytes are the host tier's)."""
@@ -465,9 +471,7 @@ def _holds_less(profile: Profile, one: Plan, other: Plan) -> bool:
 def _measured_peak(profile: Profile, plan: Plan) -> float | None:
     """The median real peak of the steps that ran ``plan`` (its recompute, its tiers)."""
     peaks = [
-        s.peak_bytes
-        for s in profile.peaks
-        if s.peak_bytes is not None and plan_of(s) == (plan.recompute, plan.moved_tiers)
+        s.peak_bytes for s in profile.peaks if s.peak_bytes is not None and plan_of(s) == plan.kind
     ]
     return statistics.median(peaks) if peaks else None
 

@@ -559,10 +559,10 @@ class Profile:
             if (step.measure or peak) and self._needs_peak((paths, moves)):  # as plan_of
                 step.take_peak()
 
-    def needs_peak(self, paths: tuple[str, ...], moves: frozenset[str]) -> bool:
+    def needs_peak(self, kind: tuple[tuple[str, ...], frozenset[str]]) -> bool:
         """Whether fewer than :data:`PEAK_SAMPLES` steps took the real peak under a plan
-        that recomputes ``paths`` and moves bytes to ``moves`` (rule 6)."""
-        return self._needs_peak((paths, moves))
+        of ``kind`` (``Plan.kind``: what it recomputes, the tiers it moves to; rule 6)."""
+        return self._needs_peak(kind)
 
     def planned_room(self, room: int) -> None:
         """The step being measured runs under a memory limit that leaves it ``room``
